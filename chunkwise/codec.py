@@ -1,0 +1,140 @@
+"""Conversion between the plan dataclasses (chunkwise.plan) and their protobuf mirror.
+
+Kept in one place so the two sides cannot drift: tests/test_codec.py round-trips every field.
+Decoding does only type-level work; semantic checks of a plan happen in the executor, which owns
+the state a plan is checked against.
+"""
+
+from __future__ import annotations
+
+from chunkwise.plan import (
+    NewRequestData,
+    RunningRequestDelta,
+    SampledToken,
+    SamplingParams,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+)
+from chunkwise.v1 import executor_pb2 as pb
+
+
+def sampling_to_proto(sp: SamplingParams) -> pb.ExecSamplingParams:
+    msg = pb.ExecSamplingParams(
+        temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p
+    )
+    if sp.seed is not None:
+        msg.seed = sp.seed
+    if sp.num_logprobs is not None:
+        msg.num_logprobs = sp.num_logprobs
+    return msg
+
+
+def sampling_from_proto(msg: pb.ExecSamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        num_logprobs=msg.num_logprobs if msg.HasField("num_logprobs") else None,
+    )
+
+
+def plan_to_proto(plan: StepPlan, executor_epoch: str) -> pb.StepPlan:
+    return pb.StepPlan(
+        step_id=plan.step_id,
+        executor_epoch=executor_epoch,
+        finished_req_ids=plan.finished_req_ids,
+        new_requests=[
+            pb.NewRequestData(
+                req_id=r.req_id,
+                token_ids=r.token_ids,
+                block_ids=r.block_ids,
+                sampling=sampling_to_proto(r.sampling),
+            )
+            for r in plan.new_requests
+        ],
+        running=[
+            pb.RunningRequestDelta(
+                req_id=d.req_id, new_token_ids=d.new_token_ids, new_block_ids=d.new_block_ids
+            )
+            for d in plan.running
+        ],
+        chunks=[
+            pb.ScheduledChunk(
+                req_id=c.req_id,
+                num_computed_tokens=c.num_computed_tokens,
+                num_tokens=c.num_tokens,
+                kv_write_start=c.kv_write_start,
+                sample=c.sample,
+            )
+            for c in plan.chunks
+        ],
+    )
+
+
+def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
+    return StepPlan(
+        step_id=msg.step_id,
+        finished_req_ids=list(msg.finished_req_ids),
+        new_requests=[
+            NewRequestData(
+                req_id=r.req_id,
+                token_ids=list(r.token_ids),
+                block_ids=list(r.block_ids),
+                sampling=sampling_from_proto(r.sampling),
+            )
+            for r in msg.new_requests
+        ],
+        running=[
+            RunningRequestDelta(
+                req_id=d.req_id,
+                new_token_ids=list(d.new_token_ids),
+                new_block_ids=list(d.new_block_ids),
+            )
+            for d in msg.running
+        ],
+        chunks=[
+            ScheduledChunk(
+                req_id=c.req_id,
+                num_computed_tokens=c.num_computed_tokens,
+                num_tokens=c.num_tokens,
+                kv_write_start=c.kv_write_start,
+                sample=c.sample,
+            )
+            for c in msg.chunks
+        ],
+    )
+
+
+def result_to_proto(result: StepResult) -> pb.StepResult:
+    sampled = []
+    for s in result.sampled:
+        msg = pb.SampledToken(
+            req_id=s.req_id,
+            token_id=s.token_id,
+            top_logprobs=[pb.SampledTokenLogprob(token_id=t, logprob=lp) for t, lp in s.top_logprobs],
+        )
+        if s.logprob is not None:
+            msg.logprob = s.logprob
+        sampled.append(msg)
+    return pb.StepResult(
+        step_id=result.step_id, sampled=sampled, execute_seconds=result.execute_seconds
+    )
+
+
+def result_from_proto(msg: pb.StepResult) -> StepResult:
+    return StepResult(
+        step_id=msg.step_id,
+        sampled=[
+            SampledToken(
+                req_id=s.req_id,
+                token_id=s.token_id,
+                logprob=s.logprob if s.HasField("logprob") else None,
+                top_logprobs=[(t.token_id, t.logprob) for t in s.top_logprobs],
+            )
+            for s in msg.sampled
+        ],
+        execute_seconds=msg.execute_seconds,
+    )
