@@ -1,0 +1,23 @@
+# The two commands of the README, and a few conveniences.
+.PHONY: demo serve test test-quick proto bench
+
+demo:          ## set up, start the stack on the embedded default model, send demo requests, stop
+	scripts/setup.sh
+	.venv/bin/python -m client.serve --demo
+
+serve:         ## set up and serve on 127.0.0.1:50051 until Ctrl-C
+	scripts/setup.sh
+	.venv/bin/python -m client.serve
+
+test:          ## set up with test dependencies and run the whole suite
+	scripts/setup.sh test
+	.venv/bin/python -m pytest -q
+
+test-quick:    ## the suite without the SmolLM2 end-to-end tests
+	.venv/bin/python -m pytest -q -m "not smollm"
+
+proto:         ## regenerate chunkwise/v1 from proto/
+	.venv/bin/python scripts/gen_proto.py
+
+bench:         ## scheduler microbenchmark
+	.venv/bin/python bench/scheduler_bench.py

@@ -1,0 +1,222 @@
+"""The one-command local stack: start executor_svc and scheduler_svc as child processes.
+
+    python -m client.serve [--model DIR|FILE.gguf|smollm2-135m-instruct] [--port 50051] [--demo]
+        [-- scheduler flags ...]
+
+Resolves the model once (converting the embedded GGUF on first use), generates a shared token,
+starts the executor on a free loopback port, then the scheduler pointing at it, waits for both to
+be healthy, prints the address and serves until Ctrl-C (or, with --demo, sends a few requests and
+stops). `start_stack` is the same thing as a library call; the end-to-end tests use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+READY_EXECUTOR = "chunkwise executor serving on"
+READY_SCHEDULER = "chunkwise scheduler serving on"
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    address: str
+    log_lines: list[str] = field(default_factory=list)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+def _pump(proc: subprocess.Popen, name: str, ready: str, found: dict, lines: list[str], echo) -> None:
+    """Read a child's merged output: find the ready line, keep a tail, echo the rest."""
+    for raw in proc.stdout:
+        line = raw.rstrip("\n")
+        lines.append(line)
+        del lines[:-200]
+        if ready in line and "address" not in found:
+            found["address"] = line.split(ready, 1)[1].strip()
+            found["event"].set()
+        if echo is not None:
+            echo(f"[{name}] {line}")
+    found["event"].set()  # EOF: the process ended
+
+
+def launch(name: str, cmd: list[str], ready: str, env: dict, timeout: float, echo=None) -> Process:
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,  # Ctrl-C in the terminal goes to us; we stop the children
+    )
+    found: dict = {"event": threading.Event()}
+    lines: list[str] = []
+    threading.Thread(target=_pump, args=(proc, name, ready, found, lines, echo), daemon=True).start()
+    if not found["event"].wait(timeout) or "address" not in found:
+        proc.kill()
+        proc.wait()
+        tail = "\n".join(lines[-30:])
+        raise StackError(f"{name} did not become ready within {timeout:.0f} s (exit {proc.returncode}):\n{tail}")
+    return Process(name, proc, found["address"], lines)
+
+
+def wait_healthy(address: str, service: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise StackError(f"{address} is not SERVING {service!r} after {timeout:.0f} s")
+            time.sleep(0.1)
+
+
+@dataclass
+class Stack:
+    executor: Process
+    scheduler: Process
+    token: str
+
+    @property
+    def address(self) -> str:
+        return self.scheduler.address
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for p in (self.scheduler, self.executor):
+            if p.alive():
+                p.popen.send_signal(signal.SIGTERM)
+        for p in (self.scheduler, self.executor):
+            try:
+                p.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def start_executor(model_dir: str | Path, token: str, args: list[str] = (), *, env=None, timeout=300.0, echo=None) -> Process:
+    env = dict(os.environ if env is None else env)
+    env["CHUNKWISE_EXECUTOR_TOKEN"] = token  # through the environment: argv is visible to every user
+    cmd = [sys.executable, "-m", "executor_svc", "--model", str(model_dir), "--host", "127.0.0.1",
+           "--port", "0", *args]
+    proc = launch("executor", cmd, READY_EXECUTOR, env, timeout, echo)
+    wait_healthy(proc.address, "chunkwise.v1.Executor", timeout)
+    return proc
+
+
+def start_scheduler(executor_address: str, token: str, args: list[str] = (), *, host="127.0.0.1", port=0,
+                    env=None, timeout=300.0, echo=None) -> Process:
+    env = dict(os.environ if env is None else env)
+    env["CHUNKWISE_EXECUTOR_TOKEN"] = token
+    cmd = [sys.executable, "-m", "scheduler_svc", "--executor", executor_address,
+           "--host", host, "--port", str(port), *args]
+    proc = launch("scheduler", cmd, READY_SCHEDULER, env, timeout, echo)
+    wait_healthy(proc.address, "chunkwise.v1.Generation", timeout)
+    return proc
+
+
+def start_stack(model: str | None = None, *, executor_args: list[str] = (), scheduler_args: list[str] = (),
+                host: str = "127.0.0.1", port: int = 0, timeout: float = 300.0, echo=None, env=None) -> Stack:
+    from chunkwise.model_source import resolve_model
+
+    model_dir = resolve_model(model)  # once, here, so the two children never convert concurrently
+    token = secrets.token_urlsafe(24)
+    executor = start_executor(model_dir, token, executor_args, env=env, timeout=timeout, echo=echo)
+    try:
+        scheduler = start_scheduler(executor.address, token, scheduler_args, host=host, port=port,
+                                    env=env, timeout=timeout, echo=echo)
+    except BaseException:
+        executor.popen.kill()
+        executor.popen.wait()
+        raise
+    return Stack(executor, scheduler, token)
+
+
+def run_demo(address: str) -> None:
+    from client.sdk import Client
+
+    question = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    with Client(address) as c:
+        for attempt in ("first", "repeat"):
+            print(f"\n--- demo request ({attempt}), streamed ---", flush=True)
+            result = None
+            pieces = []
+            for chunk in c.stream(messages=question, max_tokens=48, temperature=0):
+                print(chunk.text, end="", flush=True)
+                pieces.append(chunk)
+                result = chunk
+            print()
+            u = result.usage
+            print(f"finish={result.finish_reason} prompt_tokens={u.prompt_tokens} "
+                  f"completion_tokens={u.completion_tokens} cached_prompt_tokens={u.cached_prompt_tokens}")
+        st = c.stats()
+        print(f"\nstats: steps={st['steps']} prefill_tokens={st['prefill_tokens']} "
+              f"decode_tokens={st['decode_tokens']} prefix_cache_hits={st['prefix_cache_hits']}/"
+              f"{st['prefix_cache_queries']} kv_blocks used/cached/free="
+              f"{st['kv_blocks_used']}/{st['kv_blocks_cached']}/{st['kv_blocks_free']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1 :]
+    p = argparse.ArgumentParser(prog="python -m client.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint dir, .gguf file or default model name")
+    p.add_argument("--host", default="127.0.0.1", help="public API address")
+    p.add_argument("--port", type=int, default=50051, help="public API port (0: any free one)")
+    p.add_argument("--demo", action="store_true", help="send demo requests, print them, and stop")
+    p.add_argument("--executor-arg", action="append", default=[], help="extra flag for executor_svc (repeatable)")
+    p.add_argument("--quiet", action="store_true", help="do not echo the services' logs")
+    ns = p.parse_args(argv)
+    echo = None if ns.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    print("starting chunkwise (model: %s) ..." % (ns.model or "embedded default"), flush=True)
+    try:
+        stack = start_stack(ns.model, executor_args=ns.executor_arg, scheduler_args=extra,
+                            host=ns.host, port=ns.port, echo=echo)
+    except (StackError, ValueError, FileNotFoundError) as e:
+        print(f"serve: error: {e}", file=sys.stderr)
+        return 1
+    print(f"chunkwise is serving on {stack.address} (gRPC chunkwise.v1.Generation)", flush=True)
+    try:
+        if ns.demo:
+            run_demo(stack.address)
+            return 0
+        print("Ctrl-C to stop.", flush=True)
+        while stack.scheduler.alive() and stack.executor.alive():
+            time.sleep(0.5)
+        print("a service exited; stopping", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stack.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

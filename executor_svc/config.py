@@ -1,0 +1,209 @@
+"""Executor configuration: a dataclass and vLLM-style command-line flags.
+
+Every flag can also be given through an environment variable named `CHUNKWISE_<FLAG>`, the flag's
+name upper-cased with dashes as underscores (`--num-kv-blocks` -> `CHUNKWISE_NUM_KV_BLOCKS`).
+A flag on the command line wins over the environment. The token additionally reads
+`CHUNKWISE_EXECUTOR_TOKEN` (preferred over `CHUNKWISE_TOKEN`), so the secret never has to appear
+in a process listing.
+
+torch is imported lazily so that `--help` and config parsing stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKEND_CHOICES = ("auto", "torch", "flash-attn")
+ENV_PREFIX = "CHUNKWISE_"
+TOKEN_ENV = "CHUNKWISE_EXECUTOR_TOKEN"
+
+
+class ConfigError(ValueError):
+    """An invalid executor configuration; the message lists every problem found."""
+
+
+@dataclass
+class ExecutorConfig:
+    # A local checkpoint directory (config.json + *.safetensors). None means "not given": the
+    # server resolves a default through chunkwise.model_source before building the runner.
+    model: str | None = None
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    num_kv_blocks: int | None = None  # None: size the KV cache from memory
+    gpu_memory_utilization: float = 0.9  # fraction of the free CUDA memory (after weights) for KV
+    kv_cache_space: float = 1.0  # GiB of KV cache on CPU
+    attention_backend: str = "auto"
+    max_model_len: int | None = None  # optional cap below the model's max_position_embeddings
+    host: str = "127.0.0.1"
+    port: int = 50061
+    token: str | None = None  # shared secret the gRPC server checks; None: no auth
+
+    # ----------------------------------------------------------------------------- parsing
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add the executor's flags to `parser` (so a server can combine them with its own).
+
+        Defaults are suppressed here: `from_namespace` fills what was not given from the
+        environment, then from the dataclass defaults, and can name the env var in errors.
+        """
+        s = argparse.SUPPRESS
+        g = parser.add_argument_group("executor")
+        g.add_argument("--model", default=s, metavar="DIR", help="local checkpoint directory")
+        g.add_argument("--dtype", default=s, choices=DTYPE_CHOICES,
+                       help="weights/activations dtype (float16 only on CUDA; auto: float32 on CPU, bfloat16 on CUDA)")
+        g.add_argument("--device", default=s, choices=DEVICE_CHOICES)
+        g.add_argument("--num-kv-blocks", default=s, type=int, metavar="N",
+                       help="KV cache blocks (default: sized from memory)")
+        g.add_argument("--gpu-memory-utilization", default=s, type=float, metavar="F",
+                       help="fraction of free CUDA memory after loading weights used for the KV cache (0.9)")
+        g.add_argument("--kv-cache-space", default=s, type=float, metavar="GIB",
+                       help="GiB of KV cache on CPU (1)")
+        g.add_argument("--attention-backend", default=s, choices=ATTENTION_BACKEND_CHOICES)
+        g.add_argument("--max-model-len", default=s, type=int, metavar="N",
+                       help="cap on the context length (default: the model's max_position_embeddings)")
+        g.add_argument("--host", default=s, help="address to listen on (127.0.0.1)")
+        g.add_argument("--port", default=s, type=int, help="port to listen on (50061)")
+        g.add_argument("--token", default=s,
+                       help=f"shared secret for clients (default: ${TOKEN_ENV})")
+        return parser
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> ExecutorConfig:
+        """Build and validate a config from parsed flags, falling back to the environment."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        problems: list[str] = []
+        for f in fields(cls):
+            if hasattr(ns, f.name):
+                values[f.name] = getattr(ns, f.name)
+                continue
+            names = [ENV_PREFIX + f.name.upper()]
+            if f.name == "token":
+                names.insert(0, TOKEN_ENV)
+            for var in names:
+                raw = env.get(var)
+                if raw is None or raw == "":
+                    continue
+                try:
+                    values[f.name] = _ENV_CONVERTERS.get(f.name, str)(raw)
+                except ValueError:
+                    problems.append(f"${var}={raw!r} is not a valid {f.name.replace('_', '-')}")
+                break
+        if problems:
+            raise ConfigError("invalid executor configuration:\n  - " + "\n  - ".join(problems))
+        config = cls(**values)
+        config.validate()
+        return config
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> ExecutorConfig:
+        """Parse `argv` (default: sys.argv[1:]); bad syntax exits like any argparse CLI, bad
+        values raise ConfigError naming every problem."""
+        parser = cls.add_arguments(argparse.ArgumentParser(description="chunkwise executor"))
+        return cls.from_namespace(parser.parse_args(argv), env)
+
+    # ----------------------------------------------------------------------------- checks
+
+    def validate(self) -> None:
+        """Check every field once; raise ConfigError listing all problems."""
+        p: list[str] = []
+        if self.model is not None and not str(self.model).strip():
+            p.append("--model must not be empty")
+        if self.dtype not in DTYPE_CHOICES:
+            p.append(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.device not in DEVICE_CHOICES:
+            p.append(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
+            p.append(f"--attention-backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}, "
+                     f"got {self.attention_backend!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            p.append(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            p.append(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not self.kv_cache_space > 0.0:
+            p.append(f"--kv-cache-space must be > 0 GiB, got {self.kv_cache_space}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            p.append(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if not self.host:
+            p.append("--host must not be empty")
+        if not 0 <= self.port <= 65535:
+            p.append(f"--port must be in [0, 65535], got {self.port}")
+
+        # Device-dependent checks only make sense once device and dtype are themselves valid.
+        if self.device in DEVICE_CHOICES and self.dtype in DTYPE_CHOICES:
+            cuda = _cuda_available()
+            if self.device == "cuda" and not cuda:
+                p.append("--device cuda was requested but torch sees no CUDA device")
+            device = self.resolved_device() if (self.device != "cuda" or cuda) else "cuda"
+            if self.dtype == "float16" and device != "cuda":
+                p.append("--dtype float16 is only supported on CUDA (use float32 or bfloat16 on CPU)")
+            if self.attention_backend == "flash-attn":
+                if device != "cuda":
+                    p.append("--attention-backend flash-attn needs a CUDA device (use torch on CPU)")
+                elif self.resolved_dtype_name() not in ("float16", "bfloat16"):
+                    p.append("--attention-backend flash-attn needs --dtype float16 or bfloat16")
+                elif not _flash_attn_importable():
+                    p.append("--attention-backend flash-attn was requested but the flash_attn package "
+                             "cannot be imported (pip install flash-attn, or use --attention-backend torch)")
+        if p:
+            raise ConfigError("invalid executor configuration:\n  - " + "\n  - ".join(p))
+
+    # ----------------------------------------------------------------------------- resolution
+
+    def resolved_device(self) -> str:
+        """'cpu' or 'cuda' ('auto' picks cuda when torch sees a device)."""
+        if self.device == "auto":
+            return "cuda" if _cuda_available() else "cpu"
+        return self.device
+
+    def resolved_dtype_name(self) -> str:
+        """'float32', 'bfloat16' or 'float16' ('auto' is float32 on CPU, bfloat16 on CUDA)."""
+        if self.dtype == "auto":
+            return "bfloat16" if self.resolved_device() == "cuda" else "float32"
+        return self.dtype
+
+    def resolved_dtype(self) -> Any:
+        import torch
+
+        return getattr(torch, self.resolved_dtype_name())
+
+
+def _int(raw: str) -> int:
+    return int(raw.strip())
+
+
+def _float(raw: str) -> float:
+    return float(raw.strip())
+
+
+_ENV_CONVERTERS: dict[str, Callable[[str], Any]] = {
+    "num_kv_blocks": _int,
+    "gpu_memory_utilization": _float,
+    "kv_cache_space": _float,
+    "max_model_len": _int,
+    "port": _int,
+    "dtype": lambda s: s.strip().lower(),
+    "device": lambda s: s.strip().lower(),
+    "attention_backend": lambda s: s.strip().lower(),
+}
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _flash_attn_importable() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA extension raising OSError/RuntimeError
+        return False
+    return True

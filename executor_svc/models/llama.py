@@ -1,0 +1,190 @@
+"""A compact Llama-family decoder for serving: flattened tokens in, hidden states out.
+
+The batch is one flat sequence of T tokens from many requests (prefill chunks and decodes mixed);
+every linear layer runs once over all T rows. Attention is the only per-request operation and is
+delegated to an `attend(layer_idx, q, k, v)` callable supplied per step by the engine (which owns
+the paged KV cache and the attention backend), so this module knows nothing about blocks.
+
+q/k/v and gate/up projections are fused into single matmuls; the loader slices the checkpoint's
+separate tensors into them. Numerics follow the HF reference: RMSNorm in float32 then cast back,
+RoPE angles in float32, logits returned as float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .rope import RotaryEmbedding, apply_rotary
+from .spec import ModelSpec
+
+# attend(layer_idx, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    # Uninitialised: every parameter is overwritten by the loader (which checks that).
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = _param((out_features, in_features), dtype, device)
+        self.bias = _param((out_features,), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = _param((size,), dtype, device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size, self.kv_size = spec.q_size, spec.kv_size
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, spec.o_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        out = attend(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, spec.mlp_bias, dtype, device)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(spec, layer_idx, dtype, device)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.mlp = MLP(spec, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 decoder; which biases exist is decided by the spec."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        device = torch.device(device)
+        self.spec = spec
+        self.dtype = dtype
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position_embeddings, device)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, device) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        # Tied: lm_head shares the embedding matrix (no copy, counted once in num_parameters).
+        self.lm_head_weight = (
+            self.embed_tokens.weight if spec.tie_word_embeddings
+            else _param((spec.vocab_size, spec.hidden_size), dtype, device)
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] for flat token ids / positions [T]."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)  # shared by every layer
+        for layer in self.layers:
+            x = layer(x, cos, sin, attend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] for the N rows given (only the rows that sample)."""
+        return F.linear(hidden, self.lm_head_weight).to(torch.float32)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # parameters() de-duplicates tied weights
+
+    # ------------------------------------------------------------------------------ weights
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the fused parameters; error on anything
+        missing, unexpected or mis-shaped, naming the tensor."""
+        s = self.spec
+        q, kv, inter = s.q_size, s.kv_size, s.intermediate_size
+        # checkpoint suffix -> (parameter name within the layer, row offset, rows)
+        fused = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
+            "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
+        }
+        params = dict(self.named_parameters(remove_duplicate=False))
+        # Every (parameter, row offset) piece that must arrive: fused parameters need all parts.
+        expected: set[tuple[str, int]] = set()
+        for name in params:
+            if name.startswith("layers.") and (".qkv_proj." in name or ".gate_up_proj." in name):
+                parts = (0, q, q + kv) if ".qkv_proj." in name else (0, inter)
+                expected.update((name, off) for off in parts)
+            else:
+                expected.add((name, 0))
+        if s.tie_word_embeddings:
+            expected.discard(("lm_head_weight", 0))  # same storage as embed_tokens.weight
+        loaded: set[tuple[str, int]] = set()
+
+        for raw_name, tensor in weights:
+            name = raw_name[len("model."):] if raw_name.startswith("model.") else raw_name
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # buffer some old checkpoints saved; recomputed here
+            if name == "lm_head.weight":
+                if s.tie_word_embeddings:
+                    continue  # the reference ties it to the embedding as well
+                name = "lm_head_weight"
+            target, offset, rows = name, 0, None
+            if name.startswith("layers."):
+                _, idx, rest = name.split(".", 2)
+                module, _, kind = rest.rpartition(".")  # e.g. "self_attn.q_proj", "weight"
+                if module in fused:
+                    fused_module, offset, rows = fused[module]
+                    target = f"layers.{idx}.{fused_module}.{kind}"
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"unexpected tensor {raw_name!r} in checkpoint for {s.architecture}")
+            dest = param.data if rows is None else param.data.narrow(0, offset, rows)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"tensor {raw_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add((target, offset))
+
+        missing = sorted({name for name, off in expected - loaded})
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for: {', '.join(missing[:8])}"
+                             + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))

@@ -1,0 +1,90 @@
+"""The scheduler service's one configuration dataclass, built from vLLM-named CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from chunkwise.cliutil import add_flag
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    executor: str = "127.0.0.1:50061"  # HOST:PORT of executor_svc
+    host: str = "127.0.0.1"
+    port: int = 50051
+    token: str = ""  # the executor's shared token
+    tokenizer: str | None = None  # directory; default: the executor's model directory
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # default: the model's
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: int = 4096
+    api_keys: tuple[str, ...] = field(default_factory=tuple)
+    executor_connect_timeout: float = 300.0  # seconds to wait for the executor at start-up
+    executor_wait_timeout: float = 30.0  # how long new requests wait for a lost executor
+    stats_interval: float = 10.0  # seconds between status log lines; 0 disables
+
+    def validate(self) -> None:
+        """Checks that need no executor; the rest happen once its handshake is in."""
+        problems = []
+        host, sep, port = self.executor.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            problems.append(f"--executor must be HOST:PORT, got {self.executor!r}")
+        if not self.token:
+            problems.append("--token (or CHUNKWISE_TOKEN) is required: the executor refuses calls without it")
+        if not 0 <= self.port <= 65535:
+            problems.append(f"--port must be in [0, 65535], got {self.port}")
+        if self.max_waiting_requests < 1:
+            problems.append("--max-waiting-requests must be >= 1")
+        if self.executor_connect_timeout <= 0 or self.executor_wait_timeout <= 0:
+            problems.append("executor timeouts must be > 0")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> "ServiceConfig":
+        p = argparse.ArgumentParser(
+            prog="python -m scheduler_svc",
+            description="chunkwise scheduler: the public gRPC API, the KV block pool, prefix cache and "
+            "the step loop that drives an executor_svc.",
+        )
+        add_flag(p, "--executor", default=cls.executor, help="executor_svc address HOST:PORT")
+        add_flag(p, "--host", default=cls.host, help="address to serve the public API on")
+        add_flag(p, "--port", type=int, default=cls.port, help="port for the public API (0: pick a free one)")
+        add_flag(p, "--token", default=os.environ.get("CHUNKWISE_EXECUTOR_TOKEN", ""),
+                 help="shared token the executor requires (also CHUNKWISE_EXECUTOR_TOKEN)")
+        add_flag(p, "--tokenizer", default=None,
+                 help="tokenizer directory for text prompts; default: the executor's model directory")
+        add_flag(p, "--block-size", type=int, default=cls.block_size, help="tokens per KV block (a power of two)")
+        add_flag(p, "--max-num-batched-tokens", type=int, default=cls.max_num_batched_tokens,
+                 help="token budget of one step, shared by decodes and prefill chunks")
+        add_flag(p, "--max-num-seqs", type=int, default=cls.max_num_seqs, help="most requests running at once")
+        add_flag(p, "--max-model-len", type=int, default=None,
+                 help="longest prompt + output in tokens; default: the model's context length")
+        add_flag(p, "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                 default=cls.enable_prefix_caching, help="reuse the KV of shared prompt prefixes")
+        add_flag(p, "--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                 default=cls.enable_chunked_prefill, help="split long prompts into budget-sized chunks")
+        add_flag(p, "--max-waiting-requests", type=int, default=cls.max_waiting_requests,
+                 help="queued requests beyond this are refused with RESOURCE_EXHAUSTED")
+        add_flag(p, "--api-key", action="append", dest="api_keys", default=None,
+                 help="require this API key (authorization: Bearer KEY) on the public API; repeatable")
+        add_flag(p, "--executor-connect-timeout", type=float, default=cls.executor_connect_timeout,
+                 help="seconds to wait for the executor's handshake at start-up")
+        add_flag(p, "--executor-wait-timeout", type=float, default=cls.executor_wait_timeout,
+                 help="seconds a request waits for a lost executor before UNAVAILABLE")
+        add_flag(p, "--stats-interval", type=float, default=cls.stats_interval,
+                 help="seconds between one-line status logs (0: off)")
+        ns = p.parse_args(argv)
+        values = vars(ns)
+        values["api_keys"] = tuple(values["api_keys"] or ())
+        config = cls(**values)
+        try:
+            config.validate()
+        except ValueError as e:
+            p.error(str(e))
+        return config

@@ -1,0 +1,320 @@
+"""The step loop: queue -> plan -> execute -> update -> stream.
+
+One asyncio task runs `Engine._run`. Each turn it asks the pure scheduler core for a `StepPlan`,
+awaits the executor's `StepResult` over gRPC (the event loop keeps serving clients meanwhile),
+feeds the result back to the core, and pushes each request's new tokens and text to that
+request's stream queue, which its `Generate` handler drains. All scheduler-core calls happen on
+the event loop thread, so the core needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from chunkwise.plan import SampledToken, StepResult
+from scheduler_svc.config import ServiceConfig
+from scheduler_svc.core import Request, RequestOutput, Scheduler, SchedulerConfig
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.executor_client import ExecutorClient, ExecutorInfo
+from scheduler_svc.validation import InvalidRequest, ParsedRequest
+
+log = logging.getLogger("chunkwise.scheduler")
+
+
+class EngineError(Exception):
+    """A request-level failure carrying the gRPC status the client should see."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class StreamEvent:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[SampledToken] = field(default_factory=list)
+    finish_reason: str | None = None  # 'stop' | 'length' | 'abort' on the last event
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    error: EngineError | None = None
+
+
+@dataclass
+class RequestStream:
+    request_id: str
+    queue: asyncio.Queue
+    detokenizer: IncrementalDetokenizer | None
+    wants_logprobs: bool
+    finished: bool = False
+
+
+class Engine:
+    def __init__(self, config: ServiceConfig, executor: ExecutorClient):
+        self.config = config
+        self.executor = executor
+        self.info: ExecutorInfo | None = None
+        self.scheduler: Scheduler | None = None
+        self.tokenizer = None
+        self.executor_restarts = 0
+        self._streams: dict[str, RequestStream] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._status_task: asyncio.Task | None = None
+        self._executor_lost_at: float | None = None  # monotonic time the executor went away
+        self._closing = False
+        self.step_seconds_total = 0.0  # wall time of executed steps, as the scheduler saw them
+        self.executor_seconds_total = 0.0  # of which the executor reported computing
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.info = await self.executor.initialize(self.config.block_size, self.config.executor_connect_timeout)
+        self.scheduler = Scheduler(self._core_config(self.info), self.info.num_kv_blocks)
+        self.tokenizer = self._load_tokenizer()
+        log.info(
+            "executor %s: %s, vocab %d, max_model_len %d, %d KV blocks of %d tokens, %s/%s, attention %s",
+            self.executor.address, self.info.architecture, self.info.vocab_size, self.max_model_len,
+            self.info.num_kv_blocks, self.info.block_size, self.info.dtype, self.info.device,
+            self.info.attention_backend,
+        )
+        self._task = asyncio.create_task(self._run(), name="step-loop")
+        if self.config.stats_interval > 0:
+            self._status_task = asyncio.create_task(self._log_status(), name="status-log")
+
+    def _core_config(self, info: ExecutorInfo) -> SchedulerConfig:
+        c = self.config
+        if c.max_model_len is not None and c.max_model_len > info.max_model_len:
+            raise ValueError(
+                f"--max-model-len {c.max_model_len} is above the model's context length {info.max_model_len}"
+            )
+        core = SchedulerConfig(
+            block_size=c.block_size,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            max_num_seqs=c.max_num_seqs,
+            max_model_len=c.max_model_len or info.max_model_len,
+            enable_prefix_caching=c.enable_prefix_caching,
+            enable_chunked_prefill=c.enable_chunked_prefill,
+        )
+        core.validate()
+        core.validate_capacity(info.num_kv_blocks)
+        return core
+
+    def _load_tokenizer(self):
+        path = self.config.tokenizer or self.info.model_path
+        try:
+            from chunkwise.model_source import load_tokenizer
+
+            return load_tokenizer(path)
+        except Exception as e:  # token-id prompts still work without one
+            log.warning("no tokenizer from %s (%s): text prompts will be refused", path, e)
+            return None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    async def stop(self, grace: float = 0.0) -> None:
+        """Stop admitting; let running requests finish for up to `grace` seconds; abort the rest."""
+        self._closing = True
+        deadline = time.monotonic() + grace
+        while self.scheduler is not None and self.scheduler.has_unfinished_requests():
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        for rid in list(self._streams):
+            self._fail(rid, EngineError(grpc.StatusCode.UNAVAILABLE, "server is shutting down"))
+        for task in (self._task, self._status_task):
+            if task is not None:
+                task.cancel()
+        for task in (self._task, self._status_task):
+            if task is not None:
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+
+    # ---- requests ----------------------------------------------------------------------------
+    def submit(self, parsed: ParsedRequest) -> RequestStream:
+        if self._closing:
+            raise EngineError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        if (
+            self._executor_lost_at is not None
+            and time.monotonic() - self._executor_lost_at > self.config.executor_wait_timeout
+        ):
+            raise EngineError(grpc.StatusCode.UNAVAILABLE, "executor unavailable")
+        if self.scheduler.num_waiting >= self.config.max_waiting_requests:
+            raise EngineError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.scheduler.num_waiting} requests are waiting (--max-waiting-requests); retry later",
+            )
+        if parsed.request_id in self._streams:
+            raise InvalidRequest("request_id", f"{parsed.request_id!r} is already in use")
+        request = Request(
+            req_id=parsed.request_id,
+            prompt_token_ids=parsed.prompt_token_ids,
+            sampling=parsed.sampling,
+            max_tokens=parsed.max_tokens,
+            eos_token_ids=frozenset(self.info.eos_token_ids),
+            stop_token_ids=frozenset(parsed.stop_token_ids),
+            ignore_eos=parsed.ignore_eos,
+            cache_salt=parsed.cache_salt,
+            arrival_time=parsed.arrival_time,
+        )
+        try:
+            self.scheduler.add_request(request)
+        except ValueError as e:
+            raise InvalidRequest("request", str(e)) from None
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, parsed.prompt_token_ids, parsed.stop)
+        stream = RequestStream(
+            parsed.request_id, asyncio.Queue(), detok, parsed.sampling.num_logprobs is not None
+        )
+        self._streams[parsed.request_id] = stream
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (client cancelled, deadline passed, or an Abort call). Frees its blocks."""
+        found = self.scheduler.abort_request(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and not stream.finished:
+            stream.finished = True
+            stream.queue.put_nowait(StreamEvent(finish_reason="abort"))
+        self._wake.set()
+        return found or stream is not None
+
+    def release(self, request_id: str) -> None:
+        """The Generate handler is done with this stream (normally or not)."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and not stream.finished:
+            self.scheduler.abort_request(request_id)
+            self._wake.set()
+
+    # ---- the step loop -------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            if not self.scheduler.has_unfinished_requests():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                # Nothing fits this step (e.g. every waiting request needs blocks nobody frees
+                # until a stream is released); wait for a change rather than spin.
+                self.scheduler.update(plan, StepResult(plan.step_id))
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.05)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            started = time.perf_counter()
+            try:
+                result = await self.executor.execute(plan, self.info.epoch)
+            except (grpc.aio.AioRpcError, RuntimeError) as e:
+                await self._recover(plan, e)
+                continue
+            self.step_seconds_total += time.perf_counter() - started
+            self.executor_seconds_total += result.execute_seconds
+            self._dispatch(self.scheduler.update(plan, result))
+            # Yield once per step so handlers can enqueue and streams can flush.
+            await asyncio.sleep(0)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.req_id)
+            if stream is None or stream.finished:
+                continue
+            finish_reason = out.finish_reason if out.finished else None
+            text = ""
+            if stream.detokenizer is not None:
+                text = stream.detokenizer.push(out.new_token_ids, final=out.finished)
+                if stream.detokenizer.stopped and not out.finished:
+                    self.scheduler.finish_request(out.req_id, "stop")
+                    finish_reason = "stop"
+            event = StreamEvent(
+                token_ids=list(out.new_token_ids),
+                text=text,
+                logprobs=list(out.new_logprobs) if stream.wants_logprobs else [],
+                finish_reason=finish_reason,
+                prompt_tokens=out.num_prompt_tokens,
+                completion_tokens=out.num_output_tokens,
+                cached_prompt_tokens=out.num_cached_tokens,
+            )
+            if finish_reason is not None:
+                stream.finished = True
+            stream.queue.put_nowait(event)
+
+    def _fail(self, request_id: str, error: EngineError) -> None:
+        self.scheduler.abort_request(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and not stream.finished:
+            stream.finished = True
+            stream.queue.put_nowait(StreamEvent(error=error))
+
+    async def _recover(self, plan, error: Exception) -> None:
+        """The executor failed a step: resynchronise from scratch, since its KV is suspect.
+
+        Every running request is preempted for recompute and the prefix cache is reset; the
+        handshake gives a new epoch, so nothing of the old state can be half-applied.
+        """
+        code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
+        detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
+        log.warning("step %d failed (%s: %s); resynchronising with the executor", plan.step_id, code, detail)
+        self.scheduler.handle_executor_restart()
+        if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION):
+            # The executor refused the plan itself: retrying it would fail again, so the
+            # requests in it fail (INTERNAL: this is our bug, not the client's).
+            for chunk in plan.chunks:
+                self._fail(chunk.req_id, EngineError(grpc.StatusCode.INTERNAL, f"executor rejected the step: {detail}"))
+        self._executor_lost_at = time.monotonic()
+        while True:
+            try:
+                info = await self.executor.initialize(self.config.block_size, timeout=1.0)
+                break
+            except grpc.aio.AioRpcError:
+                if time.monotonic() - self._executor_lost_at > self.config.executor_wait_timeout:
+                    for rid in list(self._streams):
+                        self._fail(rid, EngineError(grpc.StatusCode.UNAVAILABLE, "executor unavailable"))
+                await asyncio.sleep(0.2)
+        if info.num_kv_blocks != self.info.num_kv_blocks:
+            log.error(
+                "executor came back with %d KV blocks (was %d); restarting the scheduler core",
+                info.num_kv_blocks, self.info.num_kv_blocks,
+            )
+            for rid in list(self._streams):
+                self._fail(rid, EngineError(grpc.StatusCode.UNAVAILABLE, "executor capacity changed"))
+            self.scheduler = Scheduler(self._core_config(info), info.num_kv_blocks)
+        if info.epoch != self.info.epoch:
+            self.executor_restarts += 1
+        self.info = info
+        self._executor_lost_at = None
+        log.info("executor back: epoch %s", info.epoch)
+
+    async def _log_status(self) -> None:
+        last = self.scheduler.stats()
+        last_t = time.monotonic()
+        while True:
+            await asyncio.sleep(self.config.stats_interval)
+            now, st = time.monotonic(), self.scheduler.stats()
+            dt = max(now - last_t, 1e-9)
+            queries = st.prefix_cache_queries - last.prefix_cache_queries
+            hits = st.prefix_cache_hits - last.prefix_cache_hits
+            log.info(
+                "prefill %.1f tok/s, decode %.1f tok/s, running %d, waiting %d, KV used %.1f%%, "
+                "prefix cache hit rate %.1f%%",
+                (st.prefill_tokens - last.prefill_tokens) / dt,
+                (st.decode_tokens - last.decode_tokens) / dt,
+                st.num_running, st.num_waiting,
+                100.0 * st.kv_blocks_used / max(st.kv_blocks_total, 1),
+                100.0 * hits / queries if queries else 0.0,
+            )
+            last, last_t = st, now

@@ -1,0 +1,129 @@
+"""The public gRPC API: a thin shell over the Engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from chunkwise.auth import AsyncTokenAuthInterceptor
+from chunkwise.v1 import generation_pb2 as gpb
+from chunkwise.v1 import generation_pb2_grpc as gpb_grpc
+from scheduler_svc.engine import Engine, EngineError, StreamEvent
+from scheduler_svc.validation import InvalidRequest, parse_generate_request
+
+log = logging.getLogger("chunkwise.scheduler.api")
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+FINISH_REASONS = {
+    "stop": gpb.FINISH_REASON_STOP,
+    "length": gpb.FINISH_REASON_LENGTH,
+    "abort": gpb.FINISH_REASON_ABORT,
+}
+
+
+def _event_to_proto(request_id: str, ev: StreamEvent) -> gpb.GenerateResponse:
+    msg = gpb.GenerateResponse(request_id=request_id, token_ids=ev.token_ids, text=ev.text)
+    for s in ev.logprobs:
+        lp = msg.logprobs.add()
+        lp.sampled.token_id = s.token_id
+        lp.sampled.logprob = s.logprob if s.logprob is not None else 0.0
+        for tid, tlp in s.top_logprobs:
+            lp.top.add(token_id=tid, logprob=tlp)
+    if ev.finish_reason is not None:
+        msg.finish_reason = FINISH_REASONS[ev.finish_reason]
+        msg.usage.prompt_tokens = ev.prompt_tokens
+        msg.usage.completion_tokens = ev.completion_tokens
+        msg.usage.cached_prompt_tokens = ev.cached_prompt_tokens
+    return msg
+
+
+class GenerationServicer(gpb_grpc.GenerationServicer):
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    async def Generate(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext):
+        engine = self.engine
+        try:
+            parsed = parse_generate_request(
+                request, engine.tokenizer, engine.info.vocab_size, engine.max_model_len
+            )
+            stream = engine.submit(parsed)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineError as e:
+            await context.abort(e.code, e.message)
+        rid = parsed.request_id
+        log.debug("request %s: %d prompt tokens", rid, len(parsed.prompt_token_ids))
+        try:
+            while True:
+                ev = await stream.queue.get()
+                if ev.error is not None:
+                    await context.abort(ev.error.code, ev.error.message)
+                yield _event_to_proto(rid, ev)
+                if ev.finish_reason is not None:
+                    return
+        finally:
+            # Reached on normal completion, on client cancellation (CancelledError) and on
+            # deadline expiry: in the last two the request is still live and is aborted here.
+            engine.release(rid)
+
+    async def Abort(self, request: gpb.AbortRequest, context) -> gpb.AbortResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
+        return gpb.AbortResponse(aborted=self.engine.abort(request.request_id))
+
+    async def GetStats(self, request: gpb.GetStatsRequest, context) -> gpb.Stats:
+        return stats_to_proto(self.engine)
+
+
+def stats_to_proto(engine: Engine) -> gpb.Stats:
+    st = engine.scheduler.stats()
+    return gpb.Stats(
+        steps=st.steps,
+        prefix_cache_queries=st.prefix_cache_queries,
+        prefix_cache_hits=st.prefix_cache_hits,
+        prefill_tokens=st.prefill_tokens,
+        decode_tokens=st.decode_tokens,
+        preemptions=st.preemptions,
+        num_running=st.num_running,
+        num_waiting=st.num_waiting,
+        kv_blocks_total=st.kv_blocks_total,
+        kv_blocks_free=st.kv_blocks_free,
+        kv_blocks_used=st.kv_blocks_used,
+        kv_blocks_cached=st.kv_blocks_cached,
+        requests_finished=dict(st.requests_finished),
+        block_size=engine.scheduler.config.block_size,
+        executor_epoch=engine.info.epoch,
+        executor_restarts=engine.executor_restarts,
+    )
+
+
+async def build_server(engine: Engine, host: str, port: int, api_keys=()) -> tuple[grpc.aio.Server, int]:
+    interceptors = [AsyncTokenAuthInterceptor(list(api_keys))] if api_keys else []
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    gpb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", "chunkwise.v1.Generation"):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    service_names = (
+        gpb.DESCRIPTOR.services_by_name["Generation"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(service_names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port}")
+    return server, bound
