@@ -1,7 +1,7 @@
 """Limits and feature switches of the scheduler core.
 
 Two checks exist because two facts arrive at different times: `validate()` needs only the flags,
-`validate_kv_capacity()` needs the number of KV blocks, which the scheduler service learns from the
+`validate_capacity()` needs the number of KV blocks, which the scheduler service learns from the
 executor's handshake.
 """
 
@@ -59,7 +59,7 @@ class SchedulerConfig:
         """KV blocks needed to hold `num_tokens` positions."""
         return -(-num_tokens // self.block_size)
 
-    def validate_kv_capacity(self, num_kv_blocks: int) -> None:
+    def validate_capacity(self, num_kv_blocks: int) -> None:
         """Raise ValueError unless the pool can hold one request of max_model_len tokens.
 
         That is the condition under which the scheduler can always make progress: by preempting

@@ -23,7 +23,7 @@ class RequestStatus(enum.Enum):
 @dataclass(eq=False, slots=True)
 class Request:
     req_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] = field(repr=False)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int = 16
     eos_token_ids: frozenset[int] = frozenset()
@@ -91,9 +91,9 @@ class RequestOutput:
 
     req_id: str
     new_token_ids: list[int]
-    new_sampled_tokens: list[SampledToken]  # the executor's entries, with logprobs when asked for
+    new_logprobs: list[SampledToken]  # the executor's SampledToken entries (logprobs when asked for)
     finished: bool
     finish_reason: FinishReason | None
-    prompt_tokens: int
-    completion_tokens: int  # outputs so far, including new_token_ids
-    cached_prompt_tokens: int  # the request's num_cached_tokens
+    num_prompt_tokens: int  # usage: prompt_tokens
+    num_output_tokens: int  # usage: completion_tokens; outputs so far, including new_token_ids
+    num_cached_tokens: int  # usage: cached_prompt_tokens; prompt tokens served from the cache
