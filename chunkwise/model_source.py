@@ -165,7 +165,11 @@ def _file_sha256(path: Path) -> str:
 def converted_dir_for(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Where `gguf_path`'s conversion lives (whether or not it exists yet)."""
     path = Path(gguf_path)
-    return cache_root(cache_dir) / "models" / f"{path.stem}-{_file_sha256(path)[:12]}"
+    return _target_dir(path, _file_sha256(path), cache_dir)
+
+
+def _target_dir(gguf_path: Path, sha256: str, cache_dir: str | os.PathLike[str] | None) -> Path:
+    return cache_root(cache_dir) / "models" / f"{gguf_path.stem}-{sha256[:12]}"
 
 
 def _is_complete(model_dir: Path) -> bool:
@@ -180,8 +184,8 @@ def _is_complete(model_dir: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _exclusive_lock(lock_path: Path) -> Iterator[None]:
-    """Hold an exclusive flock on `lock_path` (a no-op where fcntl does not exist).
+def _exclusive_lock(lock_path: Path) -> Iterator[bool]:
+    """Hold an exclusive flock on `lock_path`; yields False where fcntl does not exist (no lock).
 
     The lock file is left behind on purpose: deleting it would let a third process lock a fresh
     file while a second still waits on the old one.
@@ -189,7 +193,7 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
     try:
         import fcntl
     except ImportError:  # Windows: the rename below still keeps the result whole
-        yield
+        yield False
         return
     with open(lock_path, "a+") as f:
         try:
@@ -198,7 +202,7 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
             logger.info("waiting for another process converting into the cache (lock %s)", lock_path)
             fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
-            yield
+            yield True
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
@@ -206,21 +210,23 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
 def convert_gguf(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """The cached conversion of `gguf_path`, converting it first if there is none."""
     gguf_path = Path(gguf_path).expanduser().resolve()
-    target = converted_dir_for(gguf_path, cache_dir)
+    sha256 = _file_sha256(gguf_path)
+    target = _target_dir(gguf_path, sha256, cache_dir)
     if _is_complete(target):
         logger.info("using cached model %s (converted from %s earlier)", target, gguf_path)
         return target
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(target.parent / f".{target.name}.lock"):
+    with _exclusive_lock(target.parent / f".{target.name}.lock") as locked:
         # Another process may have finished while we waited for the lock.
         if _is_complete(target):
             logger.info("using cached model %s (converted by another process)", target)
             return target
-        # Temporary directories left by a killed converter: only the lock holder writes them, so
-        # any that exist now are abandoned.
-        for stale in target.parent.glob(f".{target.name}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        if locked:
+            # Temporary directories left by a killed converter: only the lock holder writes them,
+            # so any that exist now are abandoned. (Without the lock they may be another's.)
+            for stale in target.parent.glob(f".{target.name}.tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
 
         logger.info("converting %s into the model cache at %s", gguf_path, target)
         started = time.monotonic()
@@ -228,7 +234,7 @@ def convert_gguf(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike
         try:
             _convert_into(gguf_path, tmp)
             seconds = time.monotonic() - started
-            _write_marker(tmp, gguf_path, seconds)
+            _write_marker(tmp, gguf_path, sha256, seconds)
             _move_into_place(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
@@ -236,13 +242,13 @@ def convert_gguf(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike
         return target
 
 
-def _write_marker(model_dir: Path, gguf_path: Path, seconds: float) -> None:
+def _write_marker(model_dir: Path, gguf_path: Path, sha256: str, seconds: float) -> None:
     import transformers
 
     info = {
         "conversion_version": CONVERSION_VERSION,
         "source": str(gguf_path),
-        "source_sha256": _file_sha256(gguf_path),
+        "source_sha256": sha256,
         "transformers_version": transformers.__version__,
         "conversion_seconds": round(seconds, 2),
         "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -251,6 +257,8 @@ def _write_marker(model_dir: Path, gguf_path: Path, seconds: float) -> None:
 
 
 def _move_into_place(tmp: Path, target: Path) -> None:
+    if _is_complete(target):
+        return  # only without flock: a concurrent converter finished first; ours is discarded
     if target.exists():
         # An incomplete or outdated conversion (we hold the lock, so nobody is writing it): move it
         # aside first so that `target` is never seen half-deleted.

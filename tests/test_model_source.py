@@ -11,6 +11,7 @@ import json
 import logging
 import multiprocessing
 import os
+import queue
 import subprocess
 import sys
 import time
@@ -224,6 +225,14 @@ def test_incomplete_or_outdated_cache_is_rebuilt(tmp_path: Path, fake_gguf: Path
     (target / MARKER_FILE).write_text(json.dumps(marker))
     resolve_model(fake_gguf, tmp_path)
     assert len(fake_convert) == 2
+
+
+def test_converts_where_flock_is_missing(
+    tmp_path: Path, fake_gguf: Path, fake_convert: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "fcntl", None)  # as on Windows: `import fcntl` fails
+    target = resolve_model(fake_gguf, tmp_path)
+    assert model_source._is_complete(target) and len(fake_convert) == 1
 
 
 def test_failed_conversion_leaves_nothing(tmp_path: Path, fake_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -452,7 +461,16 @@ def test_concurrent_conversion(tmp_path: Path) -> None:
     workers = [ctx.Process(target=_convert_in_child, args=(str(cache_dir), results)) for _ in range(2)]
     for w in workers:
         w.start()
-    outcomes = [results.get(timeout=300) for _ in workers]
+    outcomes = []
+    deadline = time.monotonic() + 300
+    while len(outcomes) < len(workers):
+        try:
+            outcomes.append(results.get(timeout=1))
+        except queue.Empty:
+            # A child that died before reporting (an import error, say) would otherwise be waited
+            # on until the deadline.
+            crashed = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+            assert not crashed and time.monotonic() < deadline, (crashed, outcomes)
     for w in workers:
         w.join(timeout=60)
         assert w.exitcode == 0
@@ -463,6 +481,8 @@ def test_concurrent_conversion(tmp_path: Path) -> None:
     assert model_dir.is_dir(), outcomes
     converters = [pid for pid, _, logs in outcomes if any(m.startswith("converting") for m in logs)]
     assert len(converters) == 1, outcomes
+    other_logs = next(logs for pid, _, logs in outcomes if pid not in converters)
+    assert any(m.startswith("using cached model") for m in other_logs), outcomes
     # One directory (plus its lock file) and no temporary leftovers.
     assert sorted(p.name for p in model_dir.parent.iterdir()) == sorted([model_dir.name, f".{model_dir.name}.lock"])
     assert model_source._is_complete(model_dir)
