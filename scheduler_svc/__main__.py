@@ -29,6 +29,9 @@ async def serve(config: ServiceConfig) -> int:
         return 2
     server, port = await build_server(engine, config.host, config.port, config.api_keys)
     await server.start()
+    if config.metrics_port is not None:
+        metrics_port = engine.metrics.serve(config.metrics_host, config.metrics_port)
+        print(f"chunkwise metrics on http://{config.metrics_host}:{metrics_port}/metrics", flush=True)
     print(f"{READY_LINE} {config.host}:{port}", flush=True)
 
     stop = asyncio.Event()
@@ -40,6 +43,7 @@ async def serve(config: ServiceConfig) -> int:
     await engine.stop(grace=SHUTDOWN_GRACE_SECONDS)
     await server.stop(grace=1.0)
     await executor.close()
+    engine.metrics.close()
     return 0
 
 

@@ -27,6 +27,8 @@ class ServiceConfig:
     executor_connect_timeout: float = 300.0  # seconds to wait for the executor at start-up
     executor_wait_timeout: float = 30.0  # how long new requests wait for a lost executor
     stats_interval: float = 10.0  # seconds between status log lines; 0 disables
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off, 0: any free port
 
     def validate(self) -> None:
         """Checks that need no executor; the rest happen once its handshake is in."""
@@ -79,6 +81,9 @@ class ServiceConfig:
                  help="seconds a request waits for a lost executor before UNAVAILABLE")
         add_flag(p, "--stats-interval", type=float, default=cls.stats_interval,
                  help="seconds between one-line status logs (0: off)")
+        add_flag(p, "--metrics-host", default=cls.metrics_host, help="address of the Prometheus endpoint")
+        add_flag(p, "--metrics-port", type=int, default=None,
+                 help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; unset: off)")
         ns = p.parse_args(argv)
         values = vars(ns)
         values["api_keys"] = tuple(values["api_keys"] or ())

@@ -21,6 +21,7 @@ from scheduler_svc.config import ServiceConfig
 from scheduler_svc.core import Request, RequestOutput, Scheduler, SchedulerConfig
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.executor_client import ExecutorClient, ExecutorInfo
+from scheduler_svc.metrics import Metrics
 from scheduler_svc.validation import InvalidRequest, ParsedRequest
 
 log = logging.getLogger("chunkwise.scheduler")
@@ -53,6 +54,8 @@ class RequestStream:
     queue: asyncio.Queue
     detokenizer: IncrementalDetokenizer | None
     wants_logprobs: bool
+    arrival: float = 0.0  # time.monotonic() at admission, for latency metrics
+    first_token_at: float | None = None
     finished: bool = False
 
 
@@ -72,6 +75,7 @@ class Engine:
         self._closing = False
         self.step_seconds_total = 0.0  # wall time of executed steps, as the scheduler saw them
         self.executor_seconds_total = 0.0  # of which the executor reported computing
+        self.metrics = Metrics(lambda: self.scheduler.stats() if self.scheduler is not None else None)
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -175,7 +179,8 @@ class Engine:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, parsed.prompt_token_ids, parsed.stop)
         stream = RequestStream(
-            parsed.request_id, asyncio.Queue(), detok, parsed.sampling.num_logprobs is not None
+            parsed.request_id, asyncio.Queue(), detok, parsed.sampling.num_logprobs is not None,
+            arrival=parsed.arrival_time,
         )
         self._streams[parsed.request_id] = stream
         self._wake.set()
@@ -222,17 +227,23 @@ class Engine:
             except (grpc.aio.AioRpcError, RuntimeError) as e:
                 await self._recover(plan, e)
                 continue
-            self.step_seconds_total += time.perf_counter() - started
+            wall = time.perf_counter() - started
+            self.step_seconds_total += wall
             self.executor_seconds_total += result.execute_seconds
+            self.metrics.observe_step(wall, result.execute_seconds)
             self._dispatch(self.scheduler.update(plan, result))
             # Yield once per step so handlers can enqueue and streams can flush.
             await asyncio.sleep(0)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
         for out in outputs:
             stream = self._streams.get(out.req_id)
             if stream is None or stream.finished:
                 continue
+            if out.new_token_ids and stream.first_token_at is None:
+                stream.first_token_at = now
+                self.metrics.ttft.observe(now - stream.arrival)
             finish_reason = out.finish_reason if out.finished else None
             text = ""
             if stream.detokenizer is not None:
@@ -251,6 +262,7 @@ class Engine:
             )
             if finish_reason is not None:
                 stream.finished = True
+                self.metrics.observe_finished(stream.arrival, stream.first_token_at, now, out.num_output_tokens)
             stream.queue.put_nowait(event)
 
     def _fail(self, request_id: str, error: EngineError) -> None:
