@@ -164,10 +164,8 @@ def run_demo(address: str) -> None:
         for attempt in ("first", "repeat"):
             print(f"\n--- demo request ({attempt}), streamed ---", flush=True)
             result = None
-            pieces = []
             for chunk in c.stream(messages=question, max_tokens=48, temperature=0):
                 print(chunk.text, end="", flush=True)
-                pieces.append(chunk)
                 result = chunk
             print()
             u = result.usage
@@ -192,10 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=50051, help="public API port (0: any free one)")
     p.add_argument("--demo", action="store_true", help="send demo requests, print them, and stop")
     p.add_argument("--executor-arg", action="append", default=[], help="extra flag for executor_svc (repeatable)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus /metrics port of the scheduler (0: any free port; -1: off)")
     p.add_argument("--quiet", action="store_true", help="do not echo the services' logs")
     ns = p.parse_args(argv)
     echo = None if ns.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     print("starting chunkwise (model: %s) ..." % (ns.model or "embedded default"), flush=True)
+    if ns.metrics_port >= 0 and "--metrics-port" not in extra:
+        extra += ["--metrics-port", str(ns.metrics_port)]
     try:
         stack = start_stack(ns.model, executor_args=ns.executor_arg, scheduler_args=extra,
                             host=ns.host, port=ns.port, echo=echo)
@@ -203,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serve: error: {e}", file=sys.stderr)
         return 1
     print(f"chunkwise is serving on {stack.address} (gRPC chunkwise.v1.Generation)", flush=True)
+    for line in stack.scheduler.log_lines:
+        if "chunkwise metrics on" in line:
+            print(line, flush=True)
     try:
         if ns.demo:
             run_demo(stack.address)
