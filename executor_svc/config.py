@@ -2,9 +2,9 @@
 
 Every flag can also be given through an environment variable named `CHUNKWISE_<FLAG>`, the flag's
 name upper-cased with dashes as underscores (`--num-kv-blocks` -> `CHUNKWISE_NUM_KV_BLOCKS`).
-A flag on the command line wins over the environment. The token additionally reads
-`CHUNKWISE_EXECUTOR_TOKEN` (preferred over `CHUNKWISE_TOKEN`), so the secret never has to appear
-in a process listing.
+A flag on the command line wins over the environment. The token also falls back to
+`CHUNKWISE_EXECUTOR_TOKEN` (after `CHUNKWISE_TOKEN`, the same order as the scheduler), so the
+secret never has to appear in a process listing.
 
 torch is imported lazily so that `--help` and config parsing stay fast.
 """
@@ -71,7 +71,7 @@ class ExecutorConfig:
         g.add_argument("--host", default=s, help="address to listen on (127.0.0.1)")
         g.add_argument("--port", default=s, type=int, help="port to listen on (50061)")
         g.add_argument("--token", default=s,
-                       help=f"shared secret for clients (default: ${TOKEN_ENV})")
+                       help=f"shared secret callers must present (default: $CHUNKWISE_TOKEN, then ${TOKEN_ENV})")
         return parser
 
     @classmethod
@@ -86,7 +86,7 @@ class ExecutorConfig:
                 continue
             names = [ENV_PREFIX + f.name.upper()]
             if f.name == "token":
-                names.insert(0, TOKEN_ENV)
+                names.append(TOKEN_ENV)
             for var in names:
                 raw = env.get(var)
                 if raw is None or raw == "":

@@ -72,7 +72,7 @@ def make_tiny_checkpoint(
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config).float()
         # Norm weights are initialised to ones; perturb them (and biases, zero by default) so a
         # loader that drops or misplaces them is caught.
         with torch.no_grad():
@@ -94,8 +94,7 @@ def make_tiny_checkpoint(
 
 def load_reference(path: str | Path) -> Any:
     """The transformers model for a checkpoint directory, float32, eval mode (the reference)."""
-    import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True)
-    return model.eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+    return model.float().eval()

@@ -40,6 +40,15 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = _param((num, dim), dtype, device)  # no random init: the loader fills it
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -104,8 +113,7 @@ class LlamaForCausalLM(nn.Module):
         device = torch.device(device)
         self.spec = spec
         self.dtype = dtype
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, dtype, device)
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position_embeddings, device)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, device) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)

@@ -1,0 +1,458 @@
+"""ModelRunner: the executor core the gRPC server wraps.
+
+    runner = ModelRunner(ExecutorConfig(model="/path/to/checkpoint"))
+    num_blocks = runner.initialize(block_size=16)   # allocate the paged KV cache
+    result = runner.execute(plan)                   # one StepPlan -> one StepResult
+
+The runner keeps per-request state (known tokens, block table, sampling params, seed) from the
+incremental plans. Each plan is validated completely before anything changes, since it crosses a
+process boundary: an inconsistent plan raises PlanError naming the request and field, and leaves
+the runner exactly as it was. Then it applies finished_req_ids, new_requests and running deltas
+(in that order) and runs all chunks as one flat batch: every linear layer sees all scheduled
+tokens at once, attention runs per request over its block table, and only the rows that sample go
+through lm_head.
+
+KV-write contract: positions below a chunk's kv_write_start are never written (their slots belong
+to cached blocks that other requests may share); a fully cached prompt is sent as a one-token
+chunk at its last position with kv_write_start = its length, so it computes one query and writes
+nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from chunkwise.plan import (
+    NewRequestData,
+    RunningRequestDelta,
+    SampledToken,
+    SamplingParams,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+    validate_chunk_geometry,
+)
+
+from .attention import AttentionBackend, BatchLayout, StepAttention, select_backend
+from .config import ExecutorConfig
+from .kv_cache import KVCache, KVCacheShape, plan_num_blocks
+from .loader import load_model
+from .sampling import new_random_seed, sample
+
+logger = logging.getLogger("chunkwise.executor")
+
+
+class PlanError(ValueError):
+    """A StepPlan that is inconsistent with itself or with the executor's state."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_path: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    device: str  # "cpu", "cuda:0", ...
+    attention_backend: str  # "torch" | "flash-attn" (provisional until initialize())
+    num_parameters: int
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+
+
+@dataclass
+class _Request:
+    token_ids: list[int]
+    block_ids: list[int]
+    sampling: SamplingParams
+    seed: int  # the request's seed, or one drawn when the executor first saw it
+    # Positions [0, kv_end) hold KV for this request. None until its first chunk ran: the first
+    # chunk's num_computed_tokens (a prefix-cache hit) is taken on trust.
+    kv_end: int | None = None
+    _block_tensor: torch.Tensor | None = field(default=None, repr=False)
+
+    def block_tensor(self) -> torch.Tensor:
+        # Cached because block tables change only once every block_size tokens.
+        if self._block_tensor is None or self._block_tensor.numel() != len(self.block_ids):
+            self._block_tensor = torch.tensor(self.block_ids, dtype=torch.int64)
+        return self._block_tensor
+
+
+@dataclass
+class _View:
+    """A request as it will be once the plan's state changes are applied (for validation)."""
+
+    tokens: Sequence[int]
+    blocks: Sequence[int]
+    extra_tokens: Sequence[int] = ()
+    extra_blocks: Sequence[int] = ()
+    kv_end: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) + len(self.extra_tokens)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks) + len(self.extra_blocks)
+
+    def block(self, i: int) -> int:
+        return self.blocks[i] if i < len(self.blocks) else self.extra_blocks[i - len(self.blocks)]
+
+
+@dataclass
+class _Batch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    layout: BatchLayout
+    sample_rows: list[int]  # batch row of each sampling chunk's last token
+    sample_chunks: list[ScheduledChunk]
+
+
+class ModelRunner:
+    """Loads the model at construction; `initialize` allocates the KV cache; `execute` runs steps.
+    Not thread-safe: the server runs one call at a time."""
+
+    def __init__(self, config: ExecutorConfig):
+        config.validate()
+        if not config.model:
+            raise ValueError("no model given: pass --model DIR (a local checkpoint directory)")
+        self.config = config
+        self.device = torch.device(config.resolved_device())
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype: torch.dtype = config.resolved_dtype()
+        loaded = load_model(config.model, self.dtype, self.device, config.max_model_len)
+        self.model = loaded.model
+        self.spec = loaded.spec
+        self.max_model_len = loaded.max_model_len
+        # Provisional until initialize() knows the block size (flash-attn needs a multiple of 256).
+        backend_cls, _ = select_backend(config.attention_backend, self.device, self.dtype,
+                                        self.spec.head_dim, None)
+        self._info = ModelInfo(
+            model_path=str(loaded.path),
+            architecture=self.spec.architecture,
+            vocab_size=self.spec.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.spec.eos_token_ids,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            attention_backend=backend_cls.name,
+            num_parameters=self.model.num_parameters(),
+            num_layers=self.spec.num_layers,
+            num_kv_heads=self.spec.num_kv_heads,
+            head_dim=self.spec.head_dim,
+        )
+        self.kv_cache: KVCache | None = None
+        self.backend: AttentionBackend | None = None
+        self.block_size: int | None = None
+        self._requests: dict[str, _Request] = {}
+        self.last_layout: BatchLayout | None = None  # the last step's layout (debugging, tests)
+
+    # ------------------------------------------------------------------------------ public API
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache.num_blocks if self.kv_cache is not None else 0
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def has_request(self, req_id: str) -> bool:
+        return req_id in self._requests
+
+    def kv_cache_shape(self) -> KVCacheShape:
+        s = self.spec
+        return KVCacheShape(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
+
+    def initialize(self, block_size: int) -> int:
+        """Allocate the KV cache for the scheduler's block size; returns the number of blocks.
+        Calling it again reallocates and drops every request."""
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        backend_cls, reason = select_backend(self.config.attention_backend, self.device, self.dtype,
+                                             self.spec.head_dim, block_size)
+        backend_cls.check_block_size(block_size)
+        self._requests.clear()
+        self.last_layout = None
+        # Free the old cache before sizing the new one from free memory.
+        self.kv_cache = None
+        self.backend = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        shape = self.kv_cache_shape()
+        num_blocks = plan_num_blocks(shape, block_size, self.device, self.config.num_kv_blocks,
+                                     self.config.gpu_memory_utilization, self.config.kv_cache_space)
+        self.kv_cache = KVCache(shape, num_blocks, block_size, self.device)
+        self.backend = backend_cls(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim)
+        self.block_size = block_size
+        self._info = replace(self._info, attention_backend=backend_cls.name)
+        logger.info("attention backend %s (%s); KV cache %d blocks x %d tokens, %.1f MiB",
+                    backend_cls.name, reason, num_blocks, block_size, self.kv_cache.nbytes / 2**20)
+        return num_blocks
+
+    def reset(self) -> None:
+        """Drop all request state (the KV cache stays allocated)."""
+        self._requests.clear()
+        self.last_layout = None
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        result, _ = self._execute(plan, want_all_logits=False)
+        return result
+
+    def execute_with_logits(self, plan: StepPlan) -> tuple[StepResult, dict[str, torch.Tensor]]:
+        """Like execute, plus float32 logits [num_tokens, vocab] of every computed position of
+        every chunk, keyed by req_id. For tests and debugging: it runs lm_head on all rows."""
+        return self._execute(plan, want_all_logits=True)
+
+    # ------------------------------------------------------------------------------ execution
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan, want_all_logits: bool) -> tuple[StepResult, dict[str, torch.Tensor]]:
+        t0 = time.perf_counter()
+        if self.kv_cache is None or self.backend is None or self.block_size is None:
+            raise RuntimeError("the executor is not initialized: call initialize(block_size) first")
+        self._validate(plan)
+        self._apply_state_changes(plan)
+        if not plan.chunks:
+            return StepResult(plan.step_id, [], time.perf_counter() - t0), {}
+
+        batch = self._build_batch(plan.chunks)
+        self.last_layout = batch.layout
+        attend = StepAttention(self.backend, self.kv_cache, batch.layout)
+        hidden = self.model(batch.input_ids, batch.positions, attend)
+
+        all_logits: dict[str, torch.Tensor] = {}
+        if want_all_logits:
+            logits = self.model.compute_logits(hidden)
+            starts = batch.layout.query_start
+            for i, c in enumerate(plan.chunks):
+                all_logits[c.req_id] = logits[starts[i] : starts[i + 1]].cpu()
+            sample_logits = logits[batch.sample_rows] if batch.sample_rows else logits[:0]
+        elif batch.sample_rows:
+            rows = torch.tensor(batch.sample_rows, device=self.device)
+            sample_logits = self.model.compute_logits(hidden.index_select(0, rows))
+        else:
+            sample_logits = hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32)
+
+        for c in plan.chunks:
+            st = self._requests[c.req_id]
+            st.kv_end = c.end if st.kv_end is None else max(st.kv_end, c.end)
+
+        sampled: list[SampledToken] = []
+        if batch.sample_chunks:
+            reqs = [self._requests[c.req_id] for c in batch.sample_chunks]
+            outs = sample(sample_logits, [r.sampling for r in reqs], [r.seed for r in reqs],
+                          [c.end for c in batch.sample_chunks])
+            sampled = [SampledToken(c.req_id, o.token_id, o.logprob, o.top_logprobs)
+                       for c, o in zip(batch.sample_chunks, outs)]
+        return StepResult(plan.step_id, sampled, time.perf_counter() - t0), all_logits
+
+    def _build_batch(self, chunks: list[ScheduledChunk]) -> _Batch:
+        bs = self.block_size
+        assert bs is not None
+        ids: list[int] = []
+        q_lens: list[int] = []
+        starts: list[int] = [0]
+        tables: list[torch.Tensor] = []
+        num_blocks: list[int] = []
+        sample_rows: list[int] = []
+        sample_chunks: list[ScheduledChunk] = []
+        for c in chunks:
+            st = self._requests[c.req_id]
+            ids.extend(st.token_ids[c.num_computed_tokens : c.end])
+            q_lens.append(c.num_tokens)
+            starts.append(starts[-1] + c.num_tokens)
+            nb = -(-c.end // bs)
+            num_blocks.append(nb)
+            tables.append(st.block_tensor()[:nb])
+            if c.sample:
+                sample_rows.append(starts[-1] - 1)
+                sample_chunks.append(c)
+        total = starts[-1]
+        r = len(chunks)
+
+        # Positions and slots for every row, vectorised: row -> its request -> block -> slot.
+        q_len_t = torch.tensor(q_lens, dtype=torch.int64)
+        row_req = torch.repeat_interleave(torch.arange(r), q_len_t)
+        first_pos = torch.tensor([c.num_computed_tokens for c in chunks], dtype=torch.int64)
+        offset = first_pos - torch.tensor(starts[:-1], dtype=torch.int64)
+        positions = torch.arange(total, dtype=torch.int64) + offset[row_req]
+        block_table = pad_sequence(tables, batch_first=True, padding_value=0)
+        slots = block_table[row_req, positions // bs] * bs + positions % bs
+        write_start = torch.tensor([c.kv_write_start for c in chunks], dtype=torch.int64)
+        write = positions >= write_start[row_req]
+        if bool(write.all()):
+            write_rows, slot_mapping = None, slots
+        else:
+            write_rows = write.nonzero().squeeze(1)
+            slot_mapping = slots[write_rows]
+
+        dev = self.device
+        layout = BatchLayout(
+            num_tokens=total,
+            block_size=bs,
+            query_start=starts,
+            num_computed=[c.num_computed_tokens for c in chunks],
+            context_lens=[c.end for c in chunks],
+            num_blocks=num_blocks,
+            block_table=block_table.to(dev),
+            slot_mapping=slot_mapping.to(dev),
+            write_rows=write_rows.to(dev) if write_rows is not None else None,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
+        return _Batch(input_ids, positions.to(dev), layout, sample_rows, sample_chunks)
+
+    # ------------------------------------------------------------------------------ plan state
+
+    def _apply_state_changes(self, plan: StepPlan) -> None:
+        for req_id in plan.finished_req_ids:
+            self._requests.pop(req_id, None)
+        for nr in plan.new_requests:
+            seed = nr.sampling.seed if nr.sampling.seed is not None else new_random_seed()
+            self._requests[nr.req_id] = _Request(list(nr.token_ids), list(nr.block_ids), nr.sampling, seed)
+        for d in plan.running:
+            st = self._requests[d.req_id]
+            st.token_ids.extend(d.new_token_ids)
+            st.block_ids.extend(d.new_block_ids)
+
+    def _validate(self, plan: StepPlan) -> None:
+        """Raise PlanError for anything inconsistent; mutates nothing."""
+        assert self.kv_cache is not None and self.block_size is not None
+        vocab, nblocks, bs = self.spec.vocab_size, self.kv_cache.num_blocks, self.block_size
+
+        # Unknown ids in finished_req_ids are ignored: dropping is idempotent, and a scheduler
+        # may finish requests that never reached the executor (aborted while waiting).
+        dropped = set(plan.finished_req_ids)
+        views: dict[str, _View] = {
+            rid: _View(st.token_ids, st.block_ids, kv_end=st.kv_end)
+            for rid, st in self._requests.items() if rid not in dropped
+        }
+
+        for nr in plan.new_requests:
+            if not isinstance(nr, NewRequestData):
+                raise PlanError(f"new_requests holds a {type(nr).__name__}, not NewRequestData")
+            where = f"new request {nr.req_id!r}"
+            if not isinstance(nr.req_id, str) or not nr.req_id:
+                raise PlanError(f"{where}: req_id must be a non-empty string")
+            if nr.req_id in views:
+                held = "appears twice in new_requests" if nr.req_id not in self._requests or nr.req_id in dropped \
+                    else "is already held by the executor (duplicate new request; finish it first)"
+                raise PlanError(f"{where}: {held}")
+            if not nr.token_ids:
+                raise PlanError(f"{where}: token_ids is empty")
+            self._check_tokens(nr.token_ids, vocab, f"{where}: token_ids")
+            self._check_blocks(nr.block_ids, nblocks, f"{where}: block_ids")
+            self._check_sampling(nr.sampling, vocab, where)
+            views[nr.req_id] = _View(nr.token_ids, nr.block_ids)
+
+        seen_running: set[str] = set()
+        for d in plan.running:
+            if not isinstance(d, RunningRequestDelta):
+                raise PlanError(f"running holds a {type(d).__name__}, not RunningRequestDelta")
+            where = f"running request {d.req_id!r}"
+            if d.req_id in seen_running:
+                raise PlanError(f"{where}: appears twice in running")
+            seen_running.add(d.req_id)
+            view = views.get(d.req_id)
+            if view is None:
+                raise PlanError(f"{where}: unknown req_id (never sent as a new request, or finished)")
+            self._check_tokens(d.new_token_ids, vocab, f"{where}: new_token_ids")
+            self._check_blocks(d.new_block_ids, nblocks, f"{where}: new_block_ids")
+            view.extra_tokens, view.extra_blocks = d.new_token_ids, d.new_block_ids
+
+        # Every slot written this step, per block: (first offset, end offset, req_id).
+        writes: dict[int, list[tuple[int, int, str]]] = {}
+        seen_chunks: set[str] = set()
+        for c in plan.chunks:
+            if not isinstance(c, ScheduledChunk):
+                raise PlanError(f"chunks holds a {type(c).__name__}, not ScheduledChunk")
+            where = f"chunk for {c.req_id!r}"
+            for name in ("num_computed_tokens", "num_tokens", "kv_write_start"):
+                value = getattr(c, name)
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise PlanError(f"{where}: {name} must be an int, got {value!r}")
+            try:
+                validate_chunk_geometry(c)
+            except ValueError as e:
+                raise PlanError(str(e)) from None
+            if c.req_id in seen_chunks:
+                raise PlanError(f"{where}: the request has more than one chunk in this plan")
+            seen_chunks.add(c.req_id)
+            view = views.get(c.req_id)
+            if view is None:
+                raise PlanError(f"{where}: unknown req_id (never sent as a new request, or finished)")
+            known = view.num_tokens
+            if c.end > known:
+                raise PlanError(f"{where}: num_computed_tokens {c.num_computed_tokens} + num_tokens {c.num_tokens} "
+                                f"= {c.end} exceeds the {known} tokens the executor knows")
+            if c.end > self.max_model_len:
+                raise PlanError(f"{where}: chunk ends at position {c.end}, beyond max_model_len {self.max_model_len}")
+            if c.sample and c.end != known:
+                raise PlanError(f"{where}: sample is set but the chunk ends at {c.end}, not at the last known "
+                                f"token ({known})")
+            needed = -(-c.end // bs)
+            if view.num_blocks < needed:
+                raise PlanError(f"{where}: block table has {view.num_blocks} blocks, positions [0, {c.end}) "
+                                f"need {needed} (block size {bs})")
+            if view.kv_end is not None and c.kv_write_start > view.kv_end:
+                raise PlanError(f"{where}: kv_write_start {c.kv_write_start} claims cached KV up to there, but "
+                                f"the request's KV only covers positions [0, {view.kv_end}) "
+                                f"(num_computed_tokens {c.num_computed_tokens})")
+            p = c.kv_write_start
+            while p < c.end:
+                b, off = divmod(p, bs)
+                off_end = min(bs, off + c.end - p)
+                writes.setdefault(view.block(b), []).append((off, off_end, c.req_id))
+                p += off_end - off
+
+        for block, spans in writes.items():
+            if len(spans) > 1:
+                spans.sort()
+                for (a0, a1, ra), (b0, b1, rb) in zip(spans, spans[1:]):
+                    if b0 < a1:
+                        raise PlanError(f"chunks for {ra!r} and {rb!r} both write KV block {block} (offsets "
+                                        f"[{max(a0, b0)}, {min(a1, b1)})); each slot is written at most once")
+
+    @staticmethod
+    def _check_tokens(ids: Sequence[int], vocab: int, where: str) -> None:
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise PlanError(f"{where}: token id {bad} outside the vocabulary [0, {vocab})")
+
+    @staticmethod
+    def _check_blocks(ids: Sequence[int], num_blocks: int, where: str) -> None:
+        if ids and (min(ids) < 0 or max(ids) >= num_blocks):
+            bad = next(b for b in ids if not 0 <= b < num_blocks)
+            raise PlanError(f"{where}: block id {bad} outside [0, {num_blocks})")
+
+    @staticmethod
+    def _check_sampling(p: SamplingParams, vocab: int, where: str) -> None:
+        if not isinstance(p, SamplingParams):
+            raise PlanError(f"{where}: sampling must be SamplingParams, got {type(p).__name__}")
+        if not (math.isfinite(p.temperature) and p.temperature >= 0.0):
+            raise PlanError(f"{where}: sampling.temperature must be finite and >= 0, got {p.temperature}")
+        if not 0.0 < p.top_p <= 1.0:
+            raise PlanError(f"{where}: sampling.top_p must be in (0, 1], got {p.top_p}")
+        if not isinstance(p.top_k, int) or p.top_k < -1:
+            raise PlanError(f"{where}: sampling.top_k must be -1, 0 (disabled) or a positive int, got {p.top_k}")
+        if not 0.0 <= p.min_p <= 1.0:
+            raise PlanError(f"{where}: sampling.min_p must be in [0, 1], got {p.min_p}")
+        if p.seed is not None and not isinstance(p.seed, int):
+            raise PlanError(f"{where}: sampling.seed must be an int or None, got {p.seed!r}")
+        if p.num_logprobs is not None and not (isinstance(p.num_logprobs, int) and 0 <= p.num_logprobs <= vocab):
+            raise PlanError(f"{where}: sampling.num_logprobs must be None or in [0, {vocab}], got {p.num_logprobs}")

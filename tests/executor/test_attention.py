@@ -1,0 +1,179 @@
+"""Attention backends: the torch backend against a naive reference, backend selection, and the
+flash-attn backend against the torch backend (CUDA + flash-attn only)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from executor_svc.attention import (
+    BatchLayout,
+    FlashAttnBackend,
+    StepAttention,
+    TorchAttentionBackend,
+    select_backend,
+)
+from executor_svc.kv_cache import KVCache, KVCacheShape
+
+HEADS, KV_HEADS, DIM = 4, 2, 16
+
+
+def build_case(chunks, block_size, num_blocks, device="cpu", dtype=torch.float32, seed=0):
+    """chunks: [(num_computed, num_tokens, kv_write_start)]. Returns the layout, a cache holding
+    random 'cached' KV for positions below kv_write_start, q/k/v for the batch, and the full
+    per-request K/V sequences (cached part + this step's part) for the reference."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    cache = KVCache(KVCacheShape(1, KV_HEADS, DIM, dtype), num_blocks, block_size, device)
+    starts, tables, nbs, full_k, full_v, qs, ks, vs = [0], [], [], [], [], [], [], []
+    write_rows, slots = [], []
+    for computed, n, ws in chunks:
+        end = computed + n
+        nb = -(-end // block_size)
+        blocks, perm = perm[:nb], perm[nb:]
+        tables.append(torch.tensor(blocks))
+        nbs.append(nb)
+        kf = torch.randn(end, KV_HEADS, DIM, generator=g)
+        vf = torch.randn(end, KV_HEADS, DIM, generator=g)
+        k_flat, v_flat = cache.flat(0)
+        for p in range(ws):  # the cached part already lives in the cache
+            s = blocks[p // block_size] * block_size + p % block_size
+            k_flat[s], v_flat[s] = kf[p].to(dtype), vf[p].to(dtype)
+        for i, p in enumerate(range(computed, end)):
+            if p >= ws:
+                write_rows.append(starts[-1] + i)
+                slots.append(blocks[p // block_size] * block_size + p % block_size)
+        full_k.append(kf)
+        full_v.append(vf)
+        qs.append(torch.randn(n, HEADS, DIM, generator=g))
+        ks.append(kf[computed:end])
+        vs.append(vf[computed:end])
+        starts.append(starts[-1] + n)
+    layout = BatchLayout(
+        num_tokens=starts[-1], block_size=block_size, query_start=starts,
+        num_computed=[c for c, _, _ in chunks], context_lens=[c + n for c, n, _ in chunks], num_blocks=nbs,
+        block_table=torch.nn.utils.rnn.pad_sequence(tables, batch_first=True).to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        write_rows=torch.tensor(write_rows, dtype=torch.int64, device=device),
+    )
+    cat = lambda xs: torch.cat(xs).to(device=device, dtype=dtype)  # noqa: E731
+    return layout, cache, cat(qs), cat(ks), cat(vs), full_k, full_v
+
+
+def naive_attention(q, full_k, full_v, layout):
+    out = []
+    for r, (kf, vf) in enumerate(zip(full_k, full_v)):
+        q_r = q[layout.query_start[r] : layout.query_start[r + 1]].float().cpu()
+        k = kf.repeat_interleave(HEADS // KV_HEADS, dim=1)
+        v = vf.repeat_interleave(HEADS // KV_HEADS, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q_r, k) / DIM**0.5
+        q_pos = torch.arange(layout.num_computed[r], layout.context_lens[r])[:, None]
+        scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos, float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+    return torch.cat(out)
+
+
+CHUNKS = [
+    (0, 13, 0),  # a whole prompt
+    (16, 7, 16),  # a chunk after a cached prefix
+    (20, 1, 20),  # a decode
+    (31, 1, 32),  # a fully cached prompt: one query, nothing written
+    (5, 9, 8),  # recomputed positions 5..7 below kv_write_start
+]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_torch_backend_matches_naive_attention(block_size):
+    layout, cache, q, k, v, fk, fv = build_case(CHUNKS, block_size, num_blocks=128)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, DIM)
+    out = StepAttention(backend, cache, layout)(0, q, k, v)
+    torch.testing.assert_close(out, naive_attention(q, fk, fv, layout), atol=1e-5, rtol=1e-5)
+
+
+def test_torch_backend_batched_decodes_ignore_foreign_slots(monkeypatch):
+    # Many single-query rows of different context lengths, split into several padded groups;
+    # every slot no request owns is NaN, so a padded key that leaked would poison the output.
+    import executor_svc.attention.torch_backend as tb
+
+    monkeypatch.setattr(tb, "DECODE_GROUP_MAX_KEYS", 64)
+    chunks = [(n - 1, 1, n - 1) for n in (3, 17, 9, 30, 30, 2, 25, 8)] + [(0, 6, 0), (12, 1, 13)]
+    layout, cache, q, k, v, fk, fv = build_case(chunks, 4, num_blocks=64, seed=3)
+    owned = set()
+    for r, ctx in enumerate(layout.context_lens):
+        for p in range(ctx):
+            owned.add(int(layout.block_table[r, p // 4]) * 4 + p % 4)
+    k_flat, v_flat = cache.flat(0)
+    foreign = torch.tensor(sorted(set(range(cache.num_slots)) - owned))
+    k_flat[foreign], v_flat[foreign] = float("nan"), float("nan")
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, DIM)
+    step = StepAttention(backend, cache, layout)
+    assert len(step.prepared.decode_groups) > 2
+    out = step(0, q, k, v)
+    torch.testing.assert_close(out, naive_attention(q, fk, fv, layout), atol=1e-5, rtol=1e-5)
+
+
+def test_select_backend_on_cpu():
+    cls, reason = select_backend("auto", torch.device("cpu"), torch.float32, 64, 16)
+    assert cls is TorchAttentionBackend and "CUDA" in reason
+    assert select_backend("torch", torch.device("cpu"), torch.float32, 64, None)[0] is TorchAttentionBackend
+    with pytest.raises(ValueError, match="flash-attn cannot be used: device is cpu"):
+        select_backend("flash-attn", torch.device("cpu"), torch.bfloat16, 64, 256)
+
+
+def test_flash_attn_block_size_constraint_is_explicit():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        FlashAttnBackend.check_block_size(16)
+    FlashAttnBackend.check_block_size(256)
+    FlashAttnBackend.check_block_size(512)
+    # auto never picks flash-attn for an incompatible block size (checked before CUDA matters)
+    from executor_svc.attention import flash_attn_unavailable_reason
+
+    reason = flash_attn_unavailable_reason(torch.device("cuda"), torch.bfloat16, 64, 16)
+    assert reason is not None and ("256" in reason or "flash_attn" in reason)
+
+
+HAVE_FLASH = importlib.util.find_spec("flash_attn") is not None
+needs_flash = pytest.mark.skipif(
+    not (torch.cuda.is_available() and HAVE_FLASH),
+    reason="needs a CUDA device and the flash_attn package",
+)
+
+
+@pytest.mark.cuda
+@needs_flash
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_flash_attn_matches_torch_backend(dtype, decode_only):
+    chunks = [(300, 1, 300), (511, 1, 512), (5, 1, 5)] if decode_only else \
+        [(0, 300, 0), (256, 70, 256), (600, 1, 600), (511, 1, 512), (100, 200, 256)]
+    layout, cache, q, k, v, fk, fv = build_case(chunks, 256, num_blocks=12, device="cuda", dtype=dtype)
+    flash = FlashAttnBackend(HEADS, KV_HEADS, DIM)
+    cache_t = KVCache(cache.shape, cache.num_blocks, cache.block_size, "cuda")
+    for a, b in zip(cache_t.layers, cache.layers):
+        a.copy_(b)
+    got = StepAttention(flash, cache, layout)(0, q, k, v)
+    want = StepAttention(TorchAttentionBackend(HEADS, KV_HEADS, DIM), cache_t, layout)(0, q, k, v)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(cache.layers[0], cache_t.layers[0])  # same writes
+
+
+@pytest.mark.cuda
+@needs_flash
+def test_flash_attn_runner_matches_transformers(tiny_checkpoint):
+    from chunkwise.plan import GREEDY, NewRequestData, ScheduledChunk, StepPlan
+    from model_fixtures import load_reference
+
+    from .helpers import hf_logits, make_runner, random_tokens
+
+    path = tiny_checkpoint("llama")
+    runner = make_runner(path, block_size=256, num_kv_blocks=4, device="cuda", dtype="bfloat16",
+                         attention_backend="flash-attn")
+    assert runner.info.attention_backend == "flash-attn"
+    tokens = random_tokens(300, seed=5)
+    runner.execute(StepPlan(1, new_requests=[NewRequestData("a", tokens, [2, 0], GREEDY)],
+                            chunks=[ScheduledChunk("a", 0, 200, 0, False)]))
+    _, logits = runner.execute_with_logits(StepPlan(2, chunks=[ScheduledChunk("a", 200, 100, 200, True)]))
+    ref = hf_logits(load_reference(path), tokens)
+    assert (logits["a"] - ref[200:]).abs().max() < 0.25

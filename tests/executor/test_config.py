@@ -1,0 +1,77 @@
+"""ExecutorConfig: flags, environment variables, validation messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from executor_svc.config import ConfigError, ExecutorConfig
+
+
+def parse(argv, env=None):
+    return ExecutorConfig.from_args(argv, env=env or {})
+
+
+def test_defaults():
+    c = parse([])
+    assert c == ExecutorConfig()
+    assert (c.host, c.port, c.gpu_memory_utilization, c.kv_cache_space) == ("127.0.0.1", 50061, 0.9, 1.0)
+    assert c.model is None and c.token is None and c.num_kv_blocks is None
+
+
+def test_flags():
+    c = parse(["--model", "/ckpt", "--dtype", "bfloat16", "--device", "cpu", "--num-kv-blocks", "128",
+               "--gpu-memory-utilization", "0.5", "--kv-cache-space", "2.5", "--attention-backend", "torch",
+               "--max-model-len", "4096", "--host", "0.0.0.0", "--port", "6000", "--token", "s3cret"])
+    assert c == ExecutorConfig("/ckpt", "bfloat16", "cpu", 128, 0.5, 2.5, "torch", 4096, "0.0.0.0", 6000, "s3cret")
+    assert c.resolved_dtype_name() == "bfloat16"
+
+
+def test_environment_and_precedence():
+    env = {"CHUNKWISE_MODEL": "/env", "CHUNKWISE_NUM_KV_BLOCKS": "64", "CHUNKWISE_PORT": "7000",
+           "CHUNKWISE_DTYPE": "Float32", "CHUNKWISE_KV_CACHE_SPACE": "0.5",
+           "CHUNKWISE_EXECUTOR_TOKEN": "from-env", "CHUNKWISE_TOKEN": "generic"}
+    c = parse(["--port", "7001"], env)
+    assert (c.model, c.num_kv_blocks, c.port, c.dtype, c.kv_cache_space) == ("/env", 64, 7001, "float32", 0.5)
+    assert c.token == "generic"  # CHUNKWISE_TOKEN first, as the scheduler reads it
+    assert parse([], {"CHUNKWISE_EXECUTOR_TOKEN": "from-env"}).token == "from-env"
+    assert parse(["--token", "cli"], env).token == "cli"
+
+
+def test_bad_env_value_names_the_variable():
+    with pytest.raises(ConfigError, match=r"\$CHUNKWISE_PORT='http' is not a valid port"):
+        parse([], {"CHUNKWISE_PORT": "http"})
+
+
+def test_validation_lists_every_problem():
+    with pytest.raises(ConfigError) as e:
+        parse(["--num-kv-blocks", "0", "--gpu-memory-utilization", "1.5", "--port", "70000",
+               "--kv-cache-space", "0", "--max-model-len", "0"])
+    msg = str(e.value)
+    for needle in ("--num-kv-blocks must be >= 1", "--gpu-memory-utilization must be in (0, 1]",
+                   "--port must be in [0, 65535]", "--kv-cache-space must be > 0", "--max-model-len must be >= 1"):
+        assert needle in msg
+
+
+def test_env_choice_is_validated():
+    with pytest.raises(ConfigError, match="--dtype must be one of"):
+        parse([], {"CHUNKWISE_DTYPE": "int8"})
+
+
+def test_bad_choice_on_the_command_line_exits():
+    with pytest.raises(SystemExit):
+        parse(["--dtype", "int8"])
+
+
+def test_cpu_only_checks():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks what happens without CUDA")
+    assert parse(["--device", "auto"]).resolved_device() == "cpu"
+    assert parse([]).resolved_dtype_name() == "float32"
+    with pytest.raises(ConfigError, match="float16 is only supported on CUDA"):
+        parse(["--dtype", "float16"])
+    with pytest.raises(ConfigError, match="--device cuda was requested but torch sees no CUDA device"):
+        parse(["--device", "cuda"])
+    with pytest.raises(ConfigError, match="flash-attn needs a CUDA device"):
+        parse(["--attention-backend", "flash-attn"])

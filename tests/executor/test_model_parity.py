@@ -1,0 +1,159 @@
+"""Full-prompt logits of the compact model equal transformers' (fp32), across the family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chunkwise.plan import GREEDY, NewRequestData, ScheduledChunk, StepPlan
+from executor_svc.loader import load_model, read_spec
+from executor_svc.models import UnsupportedModelError
+from model_fixtures import load_reference
+
+from .helpers import hf_logits, make_runner, random_tokens
+
+ATOL = 1e-4  # fp32; logits are O(5)
+
+VARIANTS = {
+    "llama-gqa-untied": ("llama", {}),
+    "llama-mha-tied": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "llama-mqa-bias": ("llama", dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True)),
+    "llama-rope-linear": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "llama-rope-llama3": ("llama", dict(rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32})),
+    "llama-rope-dynamic": ("llama", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
+    "llama-head-dim-32": ("llama", dict(head_dim=32)),
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
+    "qwen2-untied": ("qwen2", dict(tie_word_embeddings=False, num_hidden_layers=3)),
+    "mistral": ("mistral", dict(num_hidden_layers=3)),
+}
+
+
+def full_prompt_logits(path, tokens):
+    runner = make_runner(path, block_size=16, num_kv_blocks=16)
+    blocks = list(reversed(range(16)))[: -(-len(tokens) // 16)]  # non-contiguous, descending
+    plan = StepPlan(1, new_requests=[NewRequestData("r", tokens, blocks, GREEDY)],
+                    chunks=[ScheduledChunk("r", 0, len(tokens), 0, True)])
+    result, logits = runner.execute_with_logits(plan)
+    return result, logits["r"]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_full_prompt_logits_match_transformers(tiny_checkpoint, variant):
+    arch, overrides = VARIANTS[variant]
+    path = tiny_checkpoint(arch, **overrides)
+    tokens = random_tokens(150, seed=7)
+    ours_result, ours = full_prompt_logits(path, tokens)
+    ref = hf_logits(load_reference(path), tokens)
+    assert ours.shape == ref.shape
+    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
+    assert ours_result.sampled[0].token_id == int(ref[-1].argmax())
+
+
+def test_rope_scaling_changes_logits(tiny_checkpoint):
+    # Guard against the parity test passing because scaling is silently ignored on both sides.
+    tokens = random_tokens(150, seed=7)
+    _, plain = full_prompt_logits(tiny_checkpoint("llama"), tokens)
+    for variant in ("llama-rope-linear", "llama-rope-llama3"):
+        arch, overrides = VARIANTS[variant]
+        _, scaled = full_prompt_logits(tiny_checkpoint(arch, **overrides), tokens)
+        assert (scaled[50:] - plain[50:]).abs().max() > 1e-2, variant
+
+
+def test_sharded_checkpoint_loads_identically(tiny_checkpoint, tiny_llama_path):
+    sharded = tiny_checkpoint("llama", max_shard_size="60KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    a = load_model(tiny_llama_path).model.state_dict()
+    b = load_model(sharded).model.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_model_info(tiny_qwen2_path):
+    runner = make_runner(tiny_qwen2_path)
+    info = runner.info
+    assert info.architecture == "Qwen2ForCausalLM"
+    assert info.vocab_size == 384 and info.max_model_len == 512
+    assert info.eos_token_ids == (2,)
+    assert info.dtype == "float32" and info.device == "cpu" and info.attention_backend == "torch"
+    ref = load_reference(tiny_qwen2_path)
+    assert info.num_parameters == sum(p.numel() for p in ref.parameters())
+
+
+def test_generation_config_eos_ids_are_merged(tiny_checkpoint, tmp_path):
+    import json
+    import shutil
+
+    path = shutil.copytree(tiny_checkpoint("llama"), tmp_path / "ckpt")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
+    spec, _ = read_spec(path)
+    assert spec.eos_token_ids == (2, 7, 9)
+
+
+def test_max_model_len_cap(tiny_llama_path):
+    assert read_spec(tiny_llama_path, max_model_len=100)[1] == 100
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 512"):
+        read_spec(tiny_llama_path, max_model_len=1000)
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel|gpt2") as e:
+        load_model(tmp_path)
+    assert "LlamaForCausalLM" in str(e.value) and "Qwen2ForCausalLM" in str(e.value)
+
+
+def test_unsupported_rope_type_is_a_clear_error(tmp_path):
+    from model_fixtures import tiny_config
+
+    cfg = tiny_config("llama", rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 128})
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="RoPE type 'yarn'.*llama3"):
+        read_spec(tmp_path)
+
+
+def test_sliding_window_shorter_than_context_is_rejected(tiny_checkpoint):
+    path = tiny_checkpoint("mistral", sliding_window=64)
+    with pytest.raises(UnsupportedModelError, match="sliding-window.*--max-model-len 64"):
+        read_spec(path)
+    # Within the window full attention is identical, so a capped context is served.
+    assert read_spec(path, max_model_len=64)[1] == 64
+
+
+def test_missing_tensor_is_named(tiny_llama_path, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(tiny_llama_path, tmp_path / "ckpt")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing tensors for: layers\.1\.self_attn\.qkv_proj\.weight"):
+        load_model(path)
+
+
+def test_not_a_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        load_model(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(tmp_path)
+
+
+def test_bfloat16_runs_close_to_float32(tiny_llama_path):
+    tokens = random_tokens(60, seed=3)
+    runner = make_runner(tiny_llama_path, block_size=16, num_kv_blocks=8, dtype="bfloat16")
+    assert runner.info.dtype == "bfloat16"
+    assert runner.kv_cache.layers[0].dtype == torch.bfloat16
+    plan = StepPlan(1, new_requests=[NewRequestData("r", tokens, [3, 1, 4, 0], GREEDY)],
+                    chunks=[ScheduledChunk("r", 0, 60, 0, True)])
+    _, logits = runner.execute_with_logits(plan)
+    ref = hf_logits(load_reference(tiny_llama_path), tokens)
+    assert logits["r"].dtype == torch.float32
+    assert (logits["r"] - ref).abs().max() < 0.25  # bf16 has ~3 significant digits
