@@ -7,6 +7,8 @@ import logging
 import signal
 import sys
 
+import grpc
+
 from chunkwise.logging_setup import setup_logging
 from scheduler_svc.config import ServiceConfig
 from scheduler_svc.engine import Engine
@@ -27,6 +29,9 @@ async def serve(config: ServiceConfig) -> int:
     except ValueError as e:  # configuration that only the handshake could check
         print(f"scheduler_svc: error: {e}", file=sys.stderr)
         return 2
+    except grpc.aio.AioRpcError as e:
+        print(f"scheduler_svc: error: executor {config.executor}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
     server, port = await build_server(engine, config.host, config.port, config.api_keys)
     await server.start()
     if config.metrics_port is not None:

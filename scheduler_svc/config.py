@@ -44,6 +44,22 @@ class ServiceConfig:
             problems.append("--max-waiting-requests must be >= 1")
         if self.executor_connect_timeout <= 0 or self.executor_wait_timeout <= 0:
             problems.append("executor timeouts must be > 0")
+        # The core's own checks (power-of-two block size, budget of at least one block, ...) run
+        # now on the flags; until the handshake tells the model's context length, the budget
+        # stands in for an unset max_model_len, so the no-chunked-prefill check waits for it.
+        from scheduler_svc.core import SchedulerConfig
+
+        try:
+            SchedulerConfig(
+                max_model_len=self.max_model_len or self.max_num_batched_tokens,
+                block_size=self.block_size,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                enable_prefix_caching=self.enable_prefix_caching,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ).validate()
+        except ValueError as e:
+            problems.append(str(e))
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -183,6 +183,8 @@ class Engine:
             arrival=parsed.arrival_time,
         )
         self._streams[parsed.request_id] = stream
+        log.debug("request admitted", extra={"request_id": parsed.request_id,
+                                             "prompt_tokens": len(parsed.prompt_token_ids)})
         self._wake.set()
         return stream
 
@@ -263,6 +265,18 @@ class Engine:
             if finish_reason is not None:
                 stream.finished = True
                 self.metrics.observe_finished(stream.arrival, stream.first_token_at, now, out.num_output_tokens)
+                log.info(
+                    "request finished",
+                    extra={
+                        "request_id": out.req_id,
+                        "reason": finish_reason,
+                        "prompt_tokens": out.num_prompt_tokens,
+                        "cached_tokens": out.num_cached_tokens,
+                        "completion_tokens": out.num_output_tokens,
+                        "ttft_s": round(stream.first_token_at - stream.arrival, 4) if stream.first_token_at else None,
+                        "e2e_s": round(now - stream.arrival, 4),
+                    },
+                )
             stream.queue.put_nowait(event)
 
     def _fail(self, request_id: str, error: EngineError) -> None:
