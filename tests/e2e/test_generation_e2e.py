@@ -193,3 +193,44 @@ def test_streamed_chunks_add_up_to_generate(seed_stack):
     assert chunks[-1].finish_reason == whole.finish_reason
     assert all(ch.finish_reason is None for ch in chunks[:-1])
     assert len(chunks) >= 2  # streamed token by token, not in one message
+
+
+def test_async_client_concurrent_streams(seed_stack, reference):
+    import asyncio
+
+    from client import AsyncClient
+
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 384) for _ in range(rng.randrange(20, 70))] for _ in range(4)]
+
+    async def main():
+        async with AsyncClient(seed_stack.address) as c:
+            async def one(p):
+                ids = []
+                async for chunk in c.stream(prompt_token_ids=p, max_tokens=9, temperature=0):
+                    ids += chunk.token_ids
+                return ids
+
+            streamed = await asyncio.gather(*(one(p) for p in prompts))
+            whole = await c.generate(prompt_token_ids=prompts[0], max_tokens=9, temperature=0)
+            stats = await c.stats()
+            return streamed, whole, stats
+
+    streamed, whole, stats = asyncio.run(main())
+    for p, ids in zip(prompts, streamed):
+        reference.check(p, 9, ids)
+    assert whole.token_ids == streamed[0]
+    assert stats["kv_blocks_total"] == 128
+
+
+def test_health_and_reflection(seed_stack):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(seed_stack.address) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="chunkwise.v1.Generation"), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
+    assert {"chunkwise.v1.Generation", "grpc.health.v1.Health"} <= services
