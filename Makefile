@@ -11,6 +11,7 @@ serve:         ## set up and serve on 127.0.0.1:50051 until Ctrl-C
 
 test:          ## set up with test dependencies and run the whole suite
 	scripts/setup.sh test
+	scripts/install-test-tools.sh
 	.venv/bin/python -m pytest -q
 
 test-quick:    ## the suite without the SmolLM2 end-to-end tests
