@@ -1,7 +1,12 @@
-"""Shared-token authentication for gRPC calls (`authorization: Bearer <token>` metadata).
+"""Shared-token authentication for gRPC calls (`authorization: Bearer <token>` metadata), and
+TLS credentials from PEM files.
 
 The executor is an internal service: every call must carry the token the scheduler was given.
-Health checks stay open so that orchestrators (docker-compose, Kubernetes) can probe without it.
+The public API optionally requires one of a set of API keys the same way. Health checks stay
+open so that orchestrators (docker-compose, Kubernetes) can probe without a token.
+
+A bearer token on a plaintext connection can be read by anyone on the path, so off loopback
+both services should run with TLS (`server_credentials` / `channel_credentials`).
 """
 
 from __future__ import annotations
@@ -84,3 +89,21 @@ def _async_unauthenticated_handler(handler, message: str):
     if handler is not None and handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(deny_stream)
     return grpc.unary_unary_rpc_method_handler(deny_unary)
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {path!r}: {e.strerror}") from None
+
+
+def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
+    """TLS credentials for a server from a PEM certificate chain and its private key."""
+    return grpc.ssl_server_credentials([(_read(key_file, "TLS key"), _read(cert_file, "TLS certificate"))])
+
+
+def channel_credentials(ca_file: str | None = None) -> grpc.ChannelCredentials:
+    """TLS credentials for a client: trust the CA certificates in `ca_file`, or the system's."""
+    return grpc.ssl_channel_credentials(_read(ca_file, "CA file") if ca_file else None)

@@ -9,17 +9,27 @@
 
 Breaking out of `stream()` cancels the call, and the server frees the request's KV blocks.
 Every failure is a `ChunkwiseError` carrying the gRPC status code.
+
+Options: `api_key=` (sent as `authorization: Bearer KEY`), `tls=True` / `tls_ca_file=` (TLS,
+trusting the system's CAs or the given PEM file), `timeout=` (a default deadline per call, after
+which the server aborts the request and frees its blocks), `retry_timeout=` (how long `stats()`
+and `abort()` keep retrying while the server is UNAVAILABLE, e.g. restarting).
+
+Generation calls are never retried by the SDK: once a request may have reached the server,
+sending it again could run it twice (and sampled output would differ), so an UNAVAILABLE there
+is the caller's to handle.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 
-from chunkwise.auth import bearer_metadata
+from chunkwise.auth import bearer_metadata, channel_credentials
 from chunkwise.v1 import generation_pb2 as gpb
 from chunkwise.v1 import generation_pb2_grpc as gpb_grpc
 
@@ -28,8 +38,9 @@ _FINISH = {
     gpb.FINISH_REASON_LENGTH: "length",
     gpb.FINISH_REASON_ABORT: "abort",
 }
-# Calls that change nothing on the server and so are safe to retry on UNAVAILABLE.
-_IDEMPOTENT_RETRIES = 3
+# GetStats changes nothing and Abort is idempotent, so both are retried on UNAVAILABLE.
+DEFAULT_RETRY_TIMEOUT = 10.0
+_PER_ATTEMPT_TIMEOUT = 10.0
 
 
 class ChunkwiseError(Exception):
@@ -104,8 +115,10 @@ def build_request(
     if prompt is not None:
         req.text = prompt
     elif prompt_token_ids is not None:
+        req.token_ids.SetInParent()  # an empty list is still a token-ids prompt (and refused as empty)
         req.token_ids.ids.extend(prompt_token_ids)
     else:
+        req.messages.SetInParent()
         for m in messages:
             req.messages.messages.add(role=m["role"], content=m["content"])
     s = req.sampling
@@ -152,16 +165,62 @@ def _stats(msg: gpb.Stats) -> dict:
     return out
 
 
-def _options():
-    return [("grpc.max_receive_message_length", 16 * 1024 * 1024)]
+def _options(tls_server_name: str | None = None):
+    options = [
+        ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+        # Reconnect to a restarted server within a second or so, not after gRPC's default backoff
+        # (which grows to two minutes).
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+    if tls_server_name:
+        options.append(("grpc.ssl_target_name_override", tls_server_name))
+    return options
+
+
+def _credentials(tls: bool, tls_ca_file: str | None):
+    return channel_credentials(tls_ca_file) if (tls or tls_ca_file) else None
+
+
+def _retry_delays(retry_timeout: float):
+    """Sleep lengths between attempts: 0.1 s doubling to 1 s, while `retry_timeout` lasts."""
+    deadline = time.monotonic() + retry_timeout
+    delay = 0.1
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        yield min(delay, left)
+        delay = min(delay * 2, 1.0)
 
 
 class Client:
-    def __init__(self, address: str, api_key: str | None = None, timeout: float | None = None):
-        self._channel = grpc.insecure_channel(address, options=_options())
+    def __init__(self, address: str, api_key: str | None = None, timeout: float | None = None, *,
+                 tls: bool = False, tls_ca_file: str | None = None, tls_server_name: str | None = None,
+                 retry_timeout: float = DEFAULT_RETRY_TIMEOUT):
+        creds = _credentials(tls, tls_ca_file)
+        options = _options(tls_server_name)
+        if creds is not None:
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
         self._stub = gpb_grpc.GenerationStub(self._channel)
         self._metadata = bearer_metadata(api_key) if api_key else None
         self._timeout = timeout
+        self._retry_timeout = retry_timeout
+
+    def _retrying(self, call):
+        """`call()` until it succeeds, fails with anything but UNAVAILABLE, or retry time is up."""
+        delays = _retry_delays(self._retry_timeout)
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as e:
+                delay = next(delays, None) if e.code() == grpc.StatusCode.UNAVAILABLE else None
+                if delay is None:
+                    raise ChunkwiseError.from_rpc(e) from None
+            time.sleep(delay)
 
     def stream(self, prompt=None, prompt_token_ids=None, messages=None, *, timeout=None, **kw) -> Iterator[Chunk]:
         call = self._stub.Generate(
@@ -181,19 +240,16 @@ class Client:
         return _collect(self.stream(prompt, prompt_token_ids, messages, **kw))
 
     def abort(self, request_id: str) -> bool:
-        try:
-            return self._stub.Abort(gpb.AbortRequest(request_id=request_id), metadata=self._metadata).aborted
-        except grpc.RpcError as e:
-            raise ChunkwiseError.from_rpc(e) from None
+        """Abort a request by id; False if the server knows no such live request."""
+        msg = gpb.AbortRequest(request_id=request_id)
+        return self._retrying(
+            lambda: self._stub.Abort(msg, metadata=self._metadata, timeout=_PER_ATTEMPT_TIMEOUT).aborted
+        )
 
     def stats(self) -> dict:
-        for attempt in range(_IDEMPOTENT_RETRIES):
-            try:
-                return _stats(self._stub.GetStats(gpb.GetStatsRequest(), metadata=self._metadata, timeout=10))
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == _IDEMPOTENT_RETRIES - 1:
-                    raise ChunkwiseError.from_rpc(e) from None
-                time.sleep(0.2 * 2**attempt)
+        return _stats(self._retrying(
+            lambda: self._stub.GetStats(gpb.GetStatsRequest(), metadata=self._metadata, timeout=_PER_ATTEMPT_TIMEOUT)
+        ))
 
     def close(self) -> None:
         self._channel.close()
@@ -206,11 +262,30 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str, api_key: str | None = None, timeout: float | None = None):
-        self._channel = grpc.aio.insecure_channel(address, options=_options())
+    def __init__(self, address: str, api_key: str | None = None, timeout: float | None = None, *,
+                 tls: bool = False, tls_ca_file: str | None = None, tls_server_name: str | None = None,
+                 retry_timeout: float = DEFAULT_RETRY_TIMEOUT):
+        creds = _credentials(tls, tls_ca_file)
+        options = _options(tls_server_name)
+        if creds is not None:
+            self._channel = grpc.aio.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(address, options=options)
         self._stub = gpb_grpc.GenerationStub(self._channel)
         self._metadata = bearer_metadata(api_key) if api_key else None
         self._timeout = timeout
+        self._retry_timeout = retry_timeout
+
+    async def _retrying(self, call):
+        delays = _retry_delays(self._retry_timeout)
+        while True:
+            try:
+                return await call()
+            except grpc.RpcError as e:
+                delay = next(delays, None) if e.code() == grpc.StatusCode.UNAVAILABLE else None
+                if delay is None:
+                    raise ChunkwiseError.from_rpc(e) from None
+            await asyncio.sleep(delay)
 
     async def stream(self, prompt=None, prompt_token_ids=None, messages=None, *, timeout=None, **kw) -> AsyncIterator[Chunk]:
         call = self._stub.Generate(
@@ -230,23 +305,16 @@ class AsyncClient:
         return _collect([c async for c in self.stream(prompt, prompt_token_ids, messages, **kw)])
 
     async def abort(self, request_id: str) -> bool:
-        try:
-            resp = await self._stub.Abort(gpb.AbortRequest(request_id=request_id), metadata=self._metadata)
-            return resp.aborted
-        except grpc.RpcError as e:
-            raise ChunkwiseError.from_rpc(e) from None
+        msg = gpb.AbortRequest(request_id=request_id)
+        resp = await self._retrying(
+            lambda: self._stub.Abort(msg, metadata=self._metadata, timeout=_PER_ATTEMPT_TIMEOUT)
+        )
+        return resp.aborted
 
     async def stats(self) -> dict:
-        import asyncio
-
-        for attempt in range(_IDEMPOTENT_RETRIES):
-            try:
-                msg = await self._stub.GetStats(gpb.GetStatsRequest(), metadata=self._metadata, timeout=10)
-                return _stats(msg)
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == _IDEMPOTENT_RETRIES - 1:
-                    raise ChunkwiseError.from_rpc(e) from None
-                await asyncio.sleep(0.2 * 2**attempt)
+        return _stats(await self._retrying(
+            lambda: self._stub.GetStats(gpb.GetStatsRequest(), metadata=self._metadata, timeout=_PER_ATTEMPT_TIMEOUT)
+        ))
 
     async def close(self) -> None:
         await self._channel.close()

@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from chunkwise import codec
-from chunkwise.auth import TokenAuthInterceptor
+from chunkwise.auth import TokenAuthInterceptor, server_credentials
 from chunkwise.v1 import executor_pb2 as pb
 from chunkwise.v1 import executor_pb2_grpc as pb_grpc
 from executor_svc.engine import ModelRunner, PlanError
@@ -43,6 +43,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}], got {bs}",
             )
         with self._lock:
+            if not context.is_active():
+                # The caller gave up while a long step held the lock (it has retried since):
+                # starting an epoch nobody will use would only invalidate the one it adopts.
+                context.abort(grpc.StatusCode.CANCELLED, "the caller went away before the handshake ran")
             try:
                 num_blocks = self._runner.initialize(bs)
             except ValueError as e:  # e.g. a block size the attention backend cannot page with
@@ -61,6 +65,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
     def ExecuteStep(self, request: pb.StepPlan, context) -> pb.StepResult:
         with self._lock:
+            if not context.is_active():  # the scheduler timed out on this step and resynchronises
+                context.abort(grpc.StatusCode.CANCELLED, "the caller went away before the step ran")
             if not self._epoch:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "executor not initialized; call Initialize")
             if request.executor_epoch != self._epoch:
@@ -92,8 +98,16 @@ def model_info_to_proto(info) -> pb.ModelInfo:
     )
 
 
-def build_server(runner: ModelRunner, host: str, port: int, token: str) -> tuple[grpc.Server, int]:
-    """Create (not start) the server; returns it with the bound port (useful with port 0)."""
+def build_server(
+    runner: ModelRunner, host: str, port: int, token: str, tls_cert_file: str | None = None,
+    tls_key_file: str | None = None,
+) -> tuple[grpc.Server, int]:
+    """Create (not start) the server; returns it with the bound port (useful with port 0).
+
+    Every call but health checks must carry `token`; TLS when both PEM files are given.
+    """
+    if not token:
+        raise ValueError("the executor needs a shared token: it refuses every call without one")
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="executor-rpc"),
         interceptors=[TokenAuthInterceptor([token])],
@@ -107,7 +121,10 @@ def build_server(runner: ModelRunner, host: str, port: int, token: str) -> tuple
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", "chunkwise.v1.Executor"):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls_cert_file and tls_key_file:
+        bound = server.add_secure_port(f"{host}:{port}", server_credentials(tls_cert_file, tls_key_file))
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     return server, bound

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import signal
 import sys
@@ -18,11 +19,25 @@ from scheduler_svc.server import build_server
 log = logging.getLogger("chunkwise.scheduler")
 
 READY_LINE = "chunkwise scheduler serving on"
-SHUTDOWN_GRACE_SECONDS = 10.0
+
+
+def _warn_if_exposed(config: ServiceConfig) -> None:
+    try:
+        loopback = ipaddress.ip_address(config.host).is_loopback
+    except ValueError:
+        loopback = config.host == "localhost"
+    if not loopback and not config.tls_cert_file:
+        log.warning("serving the public API on %s without TLS: prompts, outputs%s cross the network in "
+                    "cleartext; use --tls-cert-file/--tls-key-file unless the network is private",
+                    config.host, " and API keys" if config.api_keys else "")
 
 
 async def serve(config: ServiceConfig) -> int:
-    executor = ExecutorClient(config.executor, config.token)
+    _warn_if_exposed(config)
+    executor = ExecutorClient(
+        config.executor, config.token, tls_ca_file=config.executor_tls_ca_file,
+        tls_server_name=config.executor_tls_server_name, step_timeout=config.executor_step_timeout,
+    )
     engine = Engine(config, executor)
     try:
         await engine.start()
@@ -32,7 +47,9 @@ async def serve(config: ServiceConfig) -> int:
     except grpc.aio.AioRpcError as e:
         print(f"scheduler_svc: error: executor {config.executor}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
-    server, port = await build_server(engine, config.host, config.port, config.api_keys)
+    server, port = await build_server(
+        engine, config.host, config.port, config.api_keys, config.tls_cert_file, config.tls_key_file
+    )
     await server.start()
     if config.metrics_port is not None:
         metrics_port = engine.metrics.serve(config.metrics_host, config.metrics_port)
@@ -40,12 +57,20 @@ async def serve(config: ServiceConfig) -> int:
     print(f"{READY_LINE} {config.host}:{port}", flush=True)
 
     stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():  # a second signal: do not wait out the grace period
+            log.info("second signal: aborting running requests now")
+            engine.hurry()
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     await stop.wait()
-    log.info("shutting down: no new requests; %.0f s for running ones", SHUTDOWN_GRACE_SECONDS)
-    await engine.stop(grace=SHUTDOWN_GRACE_SECONDS)
+    log.info("shutting down: no new requests; %.1f s for running ones", config.shutdown_grace)
+    await engine.stop(grace=config.shutdown_grace)
+    # The handlers still have to hand their last message (or error) to their clients.
     await server.stop(grace=1.0)
     await executor.close()
     engine.metrics.close()

@@ -27,6 +27,13 @@ class ServiceConfig:
     executor_connect_timeout: float = 300.0  # seconds to wait for the executor at start-up
     executor_wait_timeout: float = 30.0  # how long new requests wait for a lost executor
     stats_interval: float = 10.0  # seconds between status log lines; 0 disables
+    executor_step_timeout: float = 60.0  # a step taking longer counts as a failed executor
+    shutdown_grace: float = 10.0  # seconds running requests get after SIGTERM
+    # TLS for the public API (both files, or neither) and for the connection to the executor.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    executor_tls_ca_file: str | None = None  # set: talk TLS to the executor, trusting this CA
+    executor_tls_server_name: str | None = None  # name to check in the executor's certificate
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off, 0: any free port
 
@@ -42,8 +49,18 @@ class ServiceConfig:
             problems.append(f"--port must be in [0, 65535], got {self.port}")
         if self.max_waiting_requests < 1:
             problems.append("--max-waiting-requests must be >= 1")
-        if self.executor_connect_timeout <= 0 or self.executor_wait_timeout <= 0:
+        if self.executor_connect_timeout <= 0 or self.executor_wait_timeout <= 0 or self.executor_step_timeout <= 0:
             problems.append("executor timeouts must be > 0")
+        if self.shutdown_grace < 0:
+            problems.append("--shutdown-grace must be >= 0")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            problems.append("--tls-cert-file and --tls-key-file go together: give both or neither")
+        for flag, path in (("--tls-cert-file", self.tls_cert_file), ("--tls-key-file", self.tls_key_file),
+                           ("--executor-tls-ca-file", self.executor_tls_ca_file)):
+            if path and not os.access(path, os.R_OK):
+                problems.append(f"{flag} {path!r} is not a readable file")
+        if self.executor_tls_server_name and not self.executor_tls_ca_file:
+            problems.append("--executor-tls-server-name needs --executor-tls-ca-file")
         # The core's own checks (power-of-two block size, budget of at least one block, ...) run
         # now on the flags; until the handshake tells the model's context length, the budget
         # stands in for an unset max_model_len, so the no-chunked-prefill check waits for it.
@@ -95,8 +112,19 @@ class ServiceConfig:
                  help="seconds to wait for the executor's handshake at start-up")
         add_flag(p, "--executor-wait-timeout", type=float, default=cls.executor_wait_timeout,
                  help="seconds a request waits for a lost executor before UNAVAILABLE")
+        add_flag(p, "--executor-step-timeout", type=float, default=cls.executor_step_timeout,
+                 help="seconds one step may take before the executor is treated as failed")
         add_flag(p, "--stats-interval", type=float, default=cls.stats_interval,
                  help="seconds between one-line status logs (0: off)")
+        add_flag(p, "--shutdown-grace", type=float, default=cls.shutdown_grace,
+                 help="on SIGTERM, seconds running requests get to finish before they are aborted")
+        add_flag(p, "--tls-cert-file", default=None,
+                 help="PEM certificate (chain) for the public API; with --tls-key-file enables TLS")
+        add_flag(p, "--tls-key-file", default=None, help="PEM private key for --tls-cert-file")
+        add_flag(p, "--executor-tls-ca-file", default=None,
+                 help="PEM CA certificate(s): connect to the executor over TLS and trust these")
+        add_flag(p, "--executor-tls-server-name", default=None,
+                 help="name expected in the executor's certificate, if it differs from the --executor host")
         add_flag(p, "--metrics-host", default=cls.metrics_host, help="address of the Prometheus endpoint")
         add_flag(p, "--metrics-port", type=int, default=None,
                  help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; unset: off)")

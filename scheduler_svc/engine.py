@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 
@@ -73,6 +74,10 @@ class Engine:
         self._status_task: asyncio.Task | None = None
         self._executor_lost_at: float | None = None  # monotonic time the executor went away
         self._closing = False
+        self._hurry = asyncio.Event()  # set: end the shutdown grace period now
+        # Called with False while the engine cannot serve (executor lost, shutting down) and with
+        # True when it can again; the server points it at the health service.
+        self.on_serving_change: Callable[[bool], None] | None = None
         self.step_seconds_total = 0.0  # wall time of executed steps, as the scheduler saw them
         self.executor_seconds_total = 0.0  # of which the executor reported computing
         self.metrics = Metrics(lambda: self.scheduler.stats() if self.scheduler is not None else None)
@@ -124,12 +129,21 @@ class Engine:
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
 
+    def _set_serving(self, serving: bool) -> None:
+        if self.on_serving_change is not None:
+            self.on_serving_change(serving and not self._closing)
+
+    def hurry(self) -> None:
+        """End a shutdown's grace period now (a second SIGTERM/SIGINT)."""
+        self._hurry.set()
+
     async def stop(self, grace: float = 0.0) -> None:
         """Stop admitting; let running requests finish for up to `grace` seconds; abort the rest."""
         self._closing = True
+        self._set_serving(False)
         deadline = time.monotonic() + grace
         while self.scheduler is not None and self.scheduler.has_unfinished_requests():
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or self._hurry.is_set():
                 break
             await asyncio.sleep(0.05)
         for rid in list(self._streams):
@@ -207,8 +221,28 @@ class Engine:
 
     # ---- the step loop -------------------------------------------------------------------------
     async def _run(self) -> None:
+        """Run the step loop; if it dies of an unexpected error (a bug), fail what was in flight,
+        resynchronise with the executor and carry on, rather than leave every client waiting on a
+        dead task."""
         while True:
-            if not self.scheduler.has_unfinished_requests():
+            try:
+                await self._run_steps()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("step loop failed; failing every request in flight and resynchronising")
+                for rid in list(self._streams):
+                    try:
+                        self._fail(rid, EngineError(grpc.StatusCode.INTERNAL, "internal error in the scheduler"))
+                    except Exception:  # the core may be inconsistent; the reset below clears it
+                        self._streams.pop(rid, None)
+                # The executor may hold state of requests we just dropped: a new epoch clears it.
+                self.scheduler.handle_executor_restart()
+                await self._reconnect()
+
+    async def _run_steps(self) -> None:
+        while True:
+            if not self.scheduler.has_work():  # work includes executor state still to drop
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -249,7 +283,12 @@ class Engine:
             finish_reason = out.finish_reason if out.finished else None
             text = ""
             if stream.detokenizer is not None:
-                text = stream.detokenizer.push(out.new_token_ids, final=out.finished)
+                try:
+                    text = stream.detokenizer.push(out.new_token_ids, final=out.finished)
+                except Exception:  # a tokenizer failing on odd ids must cost this request only
+                    log.exception("detokenizing failed", extra={"request_id": out.req_id})
+                    self._fail(out.req_id, EngineError(grpc.StatusCode.INTERNAL, "detokenization failed"))
+                    continue
                 if stream.detokenizer.stopped and not out.finished:
                     self.scheduler.finish_request(out.req_id, "stop")
                     finish_reason = "stop"
@@ -289,41 +328,88 @@ class Engine:
     async def _recover(self, plan, error: Exception) -> None:
         """The executor failed a step: resynchronise from scratch, since its KV is suspect.
 
-        Every running request is preempted for recompute and the prefix cache is reset; the
-        handshake gives a new epoch, so nothing of the old state can be half-applied.
+        Every running request is preempted for recompute (it keeps its output so far, and its
+        stream stays open) and the prefix cache is reset; the new handshake gives a new epoch, so
+        nothing of the old state can be half-applied. On the next steps the resumed requests are
+        sent to the executor in full and their KV is computed again.
         """
         code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
         detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
         log.warning("step %d failed (%s: %s); resynchronising with the executor", plan.step_id, code, detail)
         self.scheduler.handle_executor_restart()
-        if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION):
+        if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED):
             # The executor refused the plan itself: retrying it would fail again, so the
             # requests in it fail (INTERNAL: this is our bug, not the client's).
             for chunk in plan.chunks:
                 self._fail(chunk.req_id, EngineError(grpc.StatusCode.INTERNAL, f"executor rejected the step: {detail}"))
-        self._executor_lost_at = time.monotonic()
+        await self._reconnect()
+
+    async def _reconnect(self) -> None:
+        """Handshake until the executor answers with a state this scheduler can use.
+
+        Meanwhile requests queue (bounded by --max-waiting-requests). Once the executor has been
+        gone for --executor-wait-timeout, every request is failed with UNAVAILABLE, and `submit`
+        refuses new ones, until it is back.
+        """
+        self._executor_lost_at = lost_at = time.monotonic()
+        self._set_serving(False)
+        next_log = lost_at + 10.0
         while True:
+            problem = None
             try:
                 info = await self.executor.initialize(self.config.block_size, timeout=1.0)
-                break
-            except grpc.aio.AioRpcError:
-                if time.monotonic() - self._executor_lost_at > self.config.executor_wait_timeout:
-                    for rid in list(self._streams):
-                        self._fail(rid, EngineError(grpc.StatusCode.UNAVAILABLE, "executor unavailable"))
-                await asyncio.sleep(0.2)
-        if info.num_kv_blocks != self.info.num_kv_blocks:
+                problem = self._adopt(info)
+                if problem is None:
+                    break
+            except grpc.aio.AioRpcError as e:
+                problem = f"{e.code().name}: {e.details()}"
+            now = time.monotonic()
+            if now - lost_at > self.config.executor_wait_timeout:
+                for rid in list(self._streams):
+                    self._fail(rid, EngineError(grpc.StatusCode.UNAVAILABLE, f"executor unavailable ({problem})"))
+            if now >= next_log:
+                log.warning("still waiting for the executor at %s (%s)", self.executor.address, problem)
+                next_log = now + 10.0
+            await asyncio.sleep(0.2)
+        self._executor_lost_at = None
+        self._set_serving(True)
+        log.info("executor back after %.1f s: epoch %s", time.monotonic() - lost_at, self.info.epoch)
+
+    def _adopt(self, info: ExecutorInfo) -> str | None:
+        """Take a new handshake's answer; a reason string if this scheduler cannot use it.
+
+        An executor that came back with the same model and capacity (the usual restart) needs
+        nothing more: handle_executor_restart() already requeued every request for recompute.
+        One with a different geometry gets a fresh scheduler core (block ids and limits of the
+        old one mean nothing to it), and the requests that were queued fail with UNAVAILABLE.
+        """
+        try:
+            core = self._core_config(info)
+        except ValueError as e:  # e.g. its KV cache can no longer hold one max_model_len request
+            log.error("executor at %s came back unusable: %s", self.executor.address, e)
+            return str(e)
+        old = self.info
+        same = (
+            core == self.scheduler.config
+            and info.num_kv_blocks == old.num_kv_blocks
+            and info.vocab_size == old.vocab_size
+            and info.eos_token_ids == old.eos_token_ids
+        )
+        if not same:
             log.error(
-                "executor came back with %d KV blocks (was %d); restarting the scheduler core",
-                info.num_kv_blocks, self.info.num_kv_blocks,
+                "executor came back with a different model or capacity (%d KV blocks, vocab %d; was %d, %d); "
+                "restarting the scheduler core", info.num_kv_blocks, info.vocab_size, old.num_kv_blocks, old.vocab_size,
             )
             for rid in list(self._streams):
-                self._fail(rid, EngineError(grpc.StatusCode.UNAVAILABLE, "executor capacity changed"))
-            self.scheduler = Scheduler(self._core_config(info), info.num_kv_blocks)
-        if info.epoch != self.info.epoch:
+                self._fail(rid, EngineError(grpc.StatusCode.UNAVAILABLE, "executor changed; retry the request"))
+            self.scheduler = Scheduler(core, info.num_kv_blocks)
+        if info.epoch != old.epoch:
             self.executor_restarts += 1
         self.info = info
-        self._executor_lost_at = None
-        log.info("executor back: epoch %s", info.epoch)
+        if info.model_path != old.model_path and not self.config.tokenizer:
+            self.tokenizer = self._load_tokenizer()
+        return None
 
     async def _log_status(self) -> None:
         last = self.scheduler.stats()

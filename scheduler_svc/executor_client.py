@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import grpc
 
 from chunkwise import codec
-from chunkwise.auth import bearer_metadata
+from chunkwise.auth import bearer_metadata, channel_credentials
 from chunkwise.plan import StepPlan, StepResult
 from chunkwise.v1 import executor_pb2 as pb
 from chunkwise.v1 import executor_pb2_grpc as pb_grpc
@@ -19,6 +19,16 @@ from chunkwise.v1 import executor_pb2_grpc as pb_grpc
 log = logging.getLogger("chunkwise.scheduler.executor")
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# gRPC's default reconnect backoff grows to 120 s; after an executor restart the scheduler would
+# then learn of it long after it is back. Keep reconnect attempts at most a second apart.
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 @dataclass(frozen=True)
@@ -39,16 +49,20 @@ class ExecutorInfo:
 
 
 class ExecutorClient:
-    def __init__(self, address: str, token: str):
+    def __init__(self, address: str, token: str, *, tls_ca_file: str | None = None,
+                 tls_server_name: str | None = None, step_timeout: float | None = None):
+        """`tls_ca_file` set: TLS, trusting that CA. `step_timeout`: the longest a step may take
+        before the call fails with DEADLINE_EXCEEDED (a hung executor must not hang clients)."""
         self.address = address
+        self.step_timeout = step_timeout
         self._metadata = bearer_metadata(token)
-        self._channel = grpc.aio.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
-        )
+        options = list(_CHANNEL_OPTIONS)
+        if tls_ca_file:
+            if tls_server_name:
+                options.append(("grpc.ssl_target_name_override", tls_server_name))
+            self._channel = grpc.aio.secure_channel(address, channel_credentials(tls_ca_file), options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(address, options=options)
         self._stub = pb_grpc.ExecutorStub(self._channel)
 
     async def initialize(self, block_size: int, timeout: float) -> ExecutorInfo:
@@ -87,7 +101,9 @@ class ExecutorClient:
 
     async def execute(self, plan: StepPlan, epoch: str, timeout: float | None = None) -> StepResult:
         msg = codec.plan_to_proto(plan, epoch)
-        resp = await self._stub.ExecuteStep(msg, metadata=self._metadata, timeout=timeout)
+        resp = await self._stub.ExecuteStep(
+            msg, metadata=self._metadata, timeout=timeout if timeout is not None else self.step_timeout
+        )
         result = codec.result_from_proto(resp)
         if result.step_id != plan.step_id:
             raise RuntimeError(f"executor answered step {result.step_id} for plan {plan.step_id}")

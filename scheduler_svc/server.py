@@ -1,4 +1,12 @@
-"""The public gRPC API: a thin shell over the Engine."""
+"""The public gRPC API: a thin shell over the Engine.
+
+Every way a request can be wrong ends in a status the client can act on, and never in the
+server's state: INVALID_ARGUMENT naming the field (validation.py; also for bytes that are not a
+valid message at all, which grpc itself would answer with INTERNAL), RESOURCE_EXHAUSTED for a
+full queue and for a message over MAX_MESSAGE_BYTES (grpc refuses to receive it, before any of
+our code runs), UNAVAILABLE while the executor is gone or the server is shutting down,
+UNAUTHENTICATED without a valid API key.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from chunkwise.auth import AsyncTokenAuthInterceptor
+from chunkwise.auth import AsyncTokenAuthInterceptor, server_credentials
 from chunkwise.v1 import generation_pb2 as gpb
 from chunkwise.v1 import generation_pb2_grpc as gpb_grpc
 from scheduler_svc.engine import Engine, EngineError, StreamEvent
@@ -18,6 +26,7 @@ from scheduler_svc.validation import InvalidRequest, parse_generate_request
 log = logging.getLogger("chunkwise.scheduler.api")
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+SERVICE_NAME = "chunkwise.v1.Generation"
 
 FINISH_REASONS = {
     "stop": gpb.FINISH_REASON_STOP,
@@ -42,12 +51,36 @@ def _event_to_proto(request_id: str, ev: StreamEvent) -> gpb.GenerateResponse:
     return msg
 
 
+class _Malformed:
+    """Stands in for a request whose bytes did not parse, so that the handler can answer
+    INVALID_ARGUMENT (a failing deserializer makes grpc answer INTERNAL, which says "our bug")."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def _lenient(message_cls):
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except Exception as e:  # DecodeError, or invalid UTF-8 in a string field
+            return _Malformed(f"not a valid {message_cls.DESCRIPTOR.full_name} message ({e})")
+
+    return parse
+
+
+async def _refuse_malformed(request, context) -> None:
+    if isinstance(request, _Malformed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {request.error}")
+
+
 class GenerationServicer(gpb_grpc.GenerationServicer):
     def __init__(self, engine: Engine):
         self.engine = engine
 
     async def Generate(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext):
         engine = self.engine
+        await _refuse_malformed(request, context)
         try:
             parsed = parse_generate_request(
                 request, engine.tokenizer, engine.info.vocab_size, engine.max_model_len
@@ -57,6 +90,9 @@ class GenerationServicer(gpb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineError as e:
             await context.abort(e.code, e.message)
+        except Exception:  # a bug (or a tokenizer failing on odd text): say so, keep serving
+            log.exception("could not admit a request")
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error while admitting the request")
         rid = parsed.request_id
         log.debug("request %s: %d prompt tokens", rid, len(parsed.prompt_token_ids))
         try:
@@ -73,12 +109,34 @@ class GenerationServicer(gpb_grpc.GenerationServicer):
             engine.release(rid)
 
     async def Abort(self, request: gpb.AbortRequest, context) -> gpb.AbortResponse:
+        await _refuse_malformed(request, context)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
         return gpb.AbortResponse(aborted=self.engine.abort(request.request_id))
 
     async def GetStats(self, request: gpb.GetStatsRequest, context) -> gpb.Stats:
+        await _refuse_malformed(request, context)
         return stats_to_proto(self.engine)
+
+
+def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
+    """Like the generated add_GenerationServicer_to_server, with lenient request parsing."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_lenient(gpb.GenerateRequest),
+            response_serializer=gpb.GenerateResponse.SerializeToString,
+        ),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.Abort, request_deserializer=_lenient(gpb.AbortRequest),
+            response_serializer=gpb.AbortResponse.SerializeToString,
+        ),
+        "GetStats": grpc.unary_unary_rpc_method_handler(
+            servicer.GetStats, request_deserializer=_lenient(gpb.GetStatsRequest),
+            response_serializer=gpb.Stats.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 def stats_to_proto(engine: Engine) -> gpb.Stats:
@@ -90,6 +148,7 @@ def stats_to_proto(engine: Engine) -> gpb.Stats:
         prefill_tokens=st.prefill_tokens,
         decode_tokens=st.decode_tokens,
         preemptions=st.preemptions,
+        recomputed_tokens=st.recomputed_tokens,
         num_running=st.num_running,
         num_waiting=st.num_waiting,
         kv_blocks_total=st.kv_blocks_total,
@@ -103,7 +162,11 @@ def stats_to_proto(engine: Engine) -> gpb.Stats:
     )
 
 
-async def build_server(engine: Engine, host: str, port: int, api_keys=()) -> tuple[grpc.aio.Server, int]:
+async def build_server(
+    engine: Engine, host: str, port: int, api_keys=(), tls_cert_file: str | None = None,
+    tls_key_file: str | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """Create (not start) the server; TLS when both files are given. Returns it and its port."""
     interceptors = [AsyncTokenAuthInterceptor(list(api_keys))] if api_keys else []
     server = grpc.aio.server(
         interceptors=interceptors,
@@ -112,18 +175,28 @@ async def build_server(engine: Engine, host: str, port: int, api_keys=()) -> tup
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    gpb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
+    add_generation_service(GenerationServicer(engine), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", "chunkwise.v1.Generation"):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_health(serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, status)
+
+    await set_health(True)
+    # NOT_SERVING while the executor is gone or the server drains, so balancers route elsewhere.
+    engine.on_serving_change = lambda serving: asyncio.ensure_future(set_health(serving))
     service_names = (
         gpb.DESCRIPTOR.services_by_name["Generation"].full_name,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(service_names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls_cert_file and tls_key_file:
+        bound = server.add_secure_port(f"{host}:{port}", server_credentials(tls_cert_file, tls_key_file))
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     return server, bound

@@ -22,6 +22,9 @@ MAX_LOGPROBS = 20
 MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 256
 MAX_PROMPT_CHARS = 4 * 1024 * 1024
+# Tokenizing runs on the event loop, so text far longer than any prompt that could fit is refused
+# before it is tokenized. No real tokenizer averages anywhere near this many characters a token.
+MAX_CHARS_PER_TOKEN = 64
 DEFAULT_MAX_TOKENS = 16
 
 
@@ -51,6 +54,13 @@ def _finite(field: str, value: float) -> float:
     return value
 
 
+def _need_tokenizer(tokenizer) -> None:
+    if tokenizer is None:
+        raise InvalidRequest(
+            "prompt", "this server has no tokenizer (start it with --tokenizer); send token_ids instead"
+        )
+
+
 def parse_generate_request(
     msg: gpb.GenerateRequest, tokenizer, vocab_size: int, max_model_len: int
 ) -> ParsedRequest:
@@ -61,35 +71,48 @@ def parse_generate_request(
     kind = msg.WhichOneof("prompt")
     if kind is None:
         raise InvalidRequest("prompt", "one of text, token_ids or messages is required")
-    if kind in ("text", "messages") and tokenizer is None:
-        raise InvalidRequest(
-            "prompt", "this server has no tokenizer (start it with --tokenizer); send token_ids instead"
-        )
+    max_chars = min(MAX_PROMPT_CHARS, max_model_len * MAX_CHARS_PER_TOKEN)
     if kind == "text":
         if not msg.text:
             raise InvalidRequest("prompt.text", "must not be empty")
-        if len(msg.text) > MAX_PROMPT_CHARS:
-            raise InvalidRequest("prompt.text", f"longer than {MAX_PROMPT_CHARS} characters")
-        ids = list(tokenizer(msg.text).input_ids)
+        if len(msg.text) > max_chars:
+            raise InvalidRequest("prompt.text", f"longer than {max_chars} characters")
+        _need_tokenizer(tokenizer)
+        try:
+            ids = list(tokenizer(msg.text).input_ids)
+        except Exception as e:  # the tokenizer is third-party code; any failure is about this text
+            raise InvalidRequest("prompt.text", f"could not be tokenized: {e}") from None
     elif kind == "messages":
         if not msg.messages.messages:
             raise InvalidRequest("prompt.messages", "must not be empty")
         messages = [{"role": m.role, "content": m.content} for m in msg.messages.messages]
-        if sum(len(m["content"]) for m in messages) > MAX_PROMPT_CHARS:
-            raise InvalidRequest("prompt.messages", f"longer than {MAX_PROMPT_CHARS} characters")
+        if sum(len(m["content"]) + len(m["role"]) for m in messages) > max_chars:
+            raise InvalidRequest("prompt.messages", f"longer than {max_chars} characters")
+        _need_tokenizer(tokenizer)
         from chunkwise.model_source import apply_chat_template
 
         try:
             ids = apply_chat_template(tokenizer, messages)
-        except ValueError as e:
+        except Exception as e:  # ValueError from us, or the template's own (jinja) errors
             raise InvalidRequest("prompt.messages", str(e)) from None
     else:
-        ids = list(msg.token_ids.ids)
-        bad = next((t for t in ids if t >= vocab_size), None)
-        if bad is not None:
+        token_ids = msg.token_ids.ids
+        # Length first: it is O(1), and a long list is refused before it is copied.
+        if len(token_ids) >= max_model_len:
+            raise InvalidRequest(
+                "prompt.token_ids",
+                f"{len(token_ids)} tokens leave no room for output within max_model_len ({max_model_len})",
+            )
+        ids = list(token_ids)
+        if ids and max(ids) >= vocab_size:
+            bad = next(t for t in ids if t >= vocab_size)
             raise InvalidRequest("prompt.token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if not ids:
-        raise InvalidRequest("prompt", "must contain at least one token")
+        raise InvalidRequest(f"prompt.{kind}", "must contain at least one token")
+    if len(ids) >= max_model_len:
+        raise InvalidRequest(
+            f"prompt.{kind}", f"{len(ids)} tokens leave no room for output within max_model_len ({max_model_len})"
+        )
 
     s = msg.sampling
     temperature = _finite("sampling.temperature", s.temperature) if s.HasField("temperature") else 1.0

@@ -137,7 +137,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("steps", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens", "decode_tokens", "preemptions", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_cached", "requests_finished", "block_size", "executor_epoch", "executor_restarts")
+    __slots__ = ("steps", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens", "decode_tokens", "preemptions", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_cached", "requests_finished", "block_size", "executor_epoch", "executor_restarts", "recomputed_tokens")
     class RequestsFinishedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class Stats(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     prefix_cache_queries: int
     prefix_cache_hits: int
@@ -177,4 +178,5 @@ class Stats(_message.Message):
     block_size: int
     executor_epoch: str
     executor_restarts: int
-    def __init__(self, steps: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., requests_finished: _Optional[_Mapping[str, int]] = ..., block_size: _Optional[int] = ..., executor_epoch: _Optional[str] = ..., executor_restarts: _Optional[int] = ...) -> None: ...
+    recomputed_tokens: int
+    def __init__(self, steps: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., requests_finished: _Optional[_Mapping[str, int]] = ..., block_size: _Optional[int] = ..., executor_epoch: _Optional[str] = ..., executor_restarts: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ...) -> None: ...
