@@ -42,7 +42,7 @@ class ExecutorConfig:
     max_model_len: int | None = None  # optional cap below the model's max_position_embeddings
     host: str = "127.0.0.1"
     port: int = 50061
-    token: str | None = None  # shared secret the gRPC server checks; None: no auth
+    token: str | None = None  # shared secret every call must carry; the server refuses to start without one
 
     # ----------------------------------------------------------------------------- parsing
 
