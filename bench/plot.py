@@ -26,8 +26,10 @@ def seed_table_plots(result: dict, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    s = result["summary"]
-    names = list(s)
+    # the uncontended runs' summary where there is one (see seed_table.py --min-cpu-share)
+    s = result.get("summary_clean") or result["summary"]
+    which = "uncontended runs" if "summary_clean" in result else "all runs"
+    names = [n for n in result["summary"] if n in s]
     written = []
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
     med = [s[n]["total_token_throughput"]["median"] for n in names]
@@ -37,8 +39,9 @@ def seed_table_plots(result: dict, out_dir: Path) -> list[Path]:
     axes[0].bar(names, med, yerr=[lo, hi], capsize=4, color=colors)
     axes[0].set_ylabel("total tokens/s (median; bars: min-max)")
     axes[0].set_title(f"throughput, {result['scaling']['here']['num_requests']} requests of "
-                      f"{result['scaling']['here']['prompt_len']} tokens ({result['dtype']})")
+                      f"{result['scaling']['here']['prompt_len']} tokens ({result['dtype']}, {which})")
     ratios = [s[n]["throughput_ratio_to_baseline"] for n in names]
+    ratios = [r if r["median"] is not None else {"median": 0, "min": 0, "max": 0} for r in ratios]
     rm = [r["median"] or 0 for r in ratios]
     axes[1].bar(names, rm, yerr=[[m - (r["min"] or m) for m, r in zip(rm, ratios)],
                                  [(r["max"] or m) - m for m, r in zip(rm, ratios)]], capsize=4, color=colors)

@@ -51,9 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         from client.serve import main as serve_main
 
         return serve_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from client.loadtest import main as bench_main
+
+        return bench_main(argv[1:], prog="chunkwise bench")
     p = argparse.ArgumentParser(prog="chunkwise")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("serve", help="start the local stack (see: chunkwise serve --help)")
+    sub.add_parser("bench", help="load-test a running server (see: chunkwise bench --help)")
     g = sub.add_parser("generate", help="send one request and stream the text")
     g.add_argument("prompt")
     g.add_argument("--address", default="127.0.0.1:50051")

@@ -135,8 +135,9 @@ def multi_turn_dataset(
 
     The assistant messages are synthetic (random tokens standing for earlier answers), so the
     dataset is fixed before the run. Requests are ordered turn by turn across conversations
-    (all first turns, then all second turns, ...), so a turn usually arrives after the previous
-    turn of its conversation has been served and its prompt is in the prefix cache.
+    (all first turns, then all second turns, ...); with a request rate or a concurrency cap that
+    spaces them, a turn arrives after the previous turn of its conversation was computed, and its
+    prompt's prefix is in the cache (sent all at once, most turns race their predecessors).
     """
     rng = random.Random(seed)
     lo, hi = _token_range(vocab_size)
