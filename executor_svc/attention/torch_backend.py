@@ -152,25 +152,7 @@ class TorchAttentionBackend(AttentionBackend):
                 # (stale data of other requests): zero them so a non-finite stale value can
                 # never leak through 0 * NaN.
                 keys, values = keys.masked_fill(g.pad, 0), values.masked_fill(g.pad, 0)
-            o = self._decode_attention(q.index_select(0, g.q_rows), keys, values, g.mask)
-            out.index_copy_(0, g.q_rows, o)
+            o = self._sdpa(q.index_select(0, g.q_rows).unsqueeze(2),  # [G, H, 1, D]
+                           keys.transpose(1, 2), values.transpose(1, 2), g.mask, False)
+            out.index_copy_(0, g.q_rows, o.view(n, self.num_heads, self.head_dim))
         return out
-
-    def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                          mask: torch.Tensor | None) -> torch.Tensor:
-        """One query per request as two batched matmuls over KV-head groups.
-
-        q [G, H, D], keys/values [G, ctx, KVH, D] -> [G, H, D]. On CPU, SDPA with a single query
-        row falls back to a slow path (bench/attention_probe.py measured it 11.5x slower than
-        this in bf16); grouping the query heads that share a KV head makes it a plain bmm.
-        The softmax runs in float32, as SDPA's math path does.
-        """
-        n, kvh, d = q.shape[0], self.num_kv_heads, self.head_dim
-        qg = q.view(n, kvh, self.num_heads // kvh, d)  # query heads grouped by their KV head
-        k = keys.permute(0, 2, 3, 1)  # [G, KVH, D, ctx]
-        v = values.transpose(1, 2)  # [G, KVH, ctx, D]
-        scores = torch.matmul(qg, k).float() * self.scale  # [G, KVH, groups, ctx]
-        if mask is not None:  # [G, 1, 1, ctx], True = attend
-            scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        return torch.matmul(probs, v).reshape(n, self.num_heads, d)
