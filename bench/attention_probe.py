@@ -17,11 +17,12 @@ torch.profiler breakdown of where it goes. Medians of --repeats runs.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from benchutil import write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -147,10 +148,7 @@ def main(argv=None) -> int:
             e = d["executor_decode_step_32x700"]
             tops = ", ".join(f"{o['op']} {o['share']:.0%}" for o in e["top_ops"][:3])
             print(f"  executor decode step (32 x 700): {e['step_ms']:.0f} ms; {tops}", flush=True)
-    if ns.json:
-        Path(ns.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.json).write_text(json.dumps(out, indent=1))
-        print(f"wrote {ns.json}")
+    write_json(ns.json, out)
     return 0
 
 

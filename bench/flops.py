@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchutil import write_json
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
@@ -201,10 +203,7 @@ def main(argv=None) -> int:
             rows.append(row)
         result["dtypes"][dtype] = {"matmul_gflops": peak, "matmul_peak_gflops": best_peak, "prefill": rows}
         del engines
-    if ns.json:
-        Path(ns.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.json).write_text(json.dumps(result, indent=1))
-        print(f"wrote {ns.json}")
+    write_json(ns.json, result)
     return 0
 
 

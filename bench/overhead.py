@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchutil import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -111,10 +112,7 @@ def main(argv=None) -> int:
     for k, s in result["summary"].items():
         f, i, e = s["executor_idle_fraction"], s["idle_ms_per_step"], s["executor_ms_per_step"]
         print(f"{k:32s} {f['median']:>10.1%} ({f['min']:.1%}-{f['max']:.1%}) {i['median']:>14.2f} {e['median']:>14.2f}")
-    if ns.json:
-        Path(ns.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.json).write_text(json.dumps(result, indent=1))
-        print(f"wrote {ns.json}")
+    write_json(ns.json, result)
     return 0
 
 

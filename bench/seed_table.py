@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchutil import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -395,10 +397,7 @@ def main(argv=None) -> int:
     print(f"\nuncontended runs only (server CPU share >= {ns.min_cpu_share:.0%}; left out: "
           f"{result['runs_left_out_as_contended'] or 'none'}):")
     print(result["table_clean"])
-    if ns.json:
-        Path(ns.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.json).write_text(json.dumps(result, indent=1))
-        print(f"wrote {ns.json}")
+    write_json(ns.json, result)
     return 0
 
 
