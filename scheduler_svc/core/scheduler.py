@@ -180,6 +180,20 @@ class Scheduler:
         # Set when a running request gets no chunk this step; newer (waiting) requests then wait too.
         running_left_out = False
 
+        def schedule_running(req: Request) -> bool:
+            """Give a running request its chunk if it fits; False once the budget is spent."""
+            nonlocal budget, running_left_out
+            if budget == 0:
+                running_left_out = True
+                return False
+            chunk = self._schedule_running(req, budget, step_id)
+            if chunk is None:
+                running_left_out = True
+                return True
+            budget -= chunk.num_tokens
+            scheduled.append((req, chunk))
+            return True
+
         # 1. Decodes, oldest first. Prefill work is collected for the second pass.
         partial_prefills: list[Request] = []
         running = self._running
@@ -190,29 +204,15 @@ class Scheduler:
             if req.num_tokens - req.num_computed_tokens > 1:
                 partial_prefills.append(req)
                 continue
-            if budget == 0:
-                running_left_out = True
+            if not schedule_running(req):
                 break
-            chunk = self._schedule_running(req, budget, step_id)
-            if chunk is None:
-                running_left_out = True
-                continue
-            budget -= chunk.num_tokens
-            scheduled.append((req, chunk))
 
         # 2. Running prefills (chunks of a long prompt, or of a recompute), oldest first.
         for req in partial_prefills:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted in this step by an older request
-            if budget == 0:
-                running_left_out = True
+            if not schedule_running(req):
                 break
-            chunk = self._schedule_running(req, budget, step_id)
-            if chunk is None:
-                running_left_out = True
-                continue
-            budget -= chunk.num_tokens
-            scheduled.append((req, chunk))
 
         # Deltas for the running requests scheduled so far (new ones are sent whole below).
         for req, _ in scheduled:
