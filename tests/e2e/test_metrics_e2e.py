@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import socket
+import time
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -38,8 +39,15 @@ def test_metrics_match_stats_after_traffic(tiny_llama_dir):
             for i in range(4):
                 c.generate(prompt_token_ids=prefix + [rng.randrange(3, 384) for _ in range(10 + i)],
                            max_tokens=5, temperature=0, ignore_eos=True)
-            st = c.stats()
-            m = _scrape(port)
+            # The engine may still run a step after the last stream ends (it flushes the
+            # executor's state of finished requests), so compare a scrape taken between two
+            # identical stats snapshots.
+            for _ in range(100):
+                st = c.stats()
+                m = _scrape(port)
+                if c.stats() == st:
+                    break
+                time.sleep(0.05)
 
     def value(name, **labels):
         return m[(name, tuple(sorted(labels.items())))]
