@@ -33,7 +33,7 @@ class ExecutorConfig:
     # A local checkpoint directory (config.json + *.safetensors). None means "not given": the
     # server resolves a default through chunkwise.model_source before building the runner.
     model: str | None = None
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
     device: str = "auto"  # auto: cuda when available, else cpu
     num_kv_blocks: int | None = None  # None: size the KV cache from memory
     gpu_memory_utilization: float = 0.9  # fraction of the free CUDA memory (after weights) for KV
@@ -43,6 +43,7 @@ class ExecutorConfig:
     host: str = "127.0.0.1"
     port: int = 50061
     token: str | None = None  # shared secret every call must carry; the server refuses to start without one
+    enforce_eager: bool = False  # no torch.compile: decode attention takes the folded-query SDPA path
 
     # ----------------------------------------------------------------------------- parsing
 
@@ -57,7 +58,8 @@ class ExecutorConfig:
         g = parser.add_argument_group("executor")
         g.add_argument("--model", default=s, metavar="DIR", help="local checkpoint directory")
         g.add_argument("--dtype", default=s, choices=DTYPE_CHOICES,
-                       help="weights/activations dtype (float16 only on CUDA; auto: float32 on CPU, bfloat16 on CUDA)")
+                       help="weights/activations dtype (float16 only on CUDA; auto: bfloat16 on CUDA and on CPUs "
+                            "with native bf16 (avx512_bf16 or AMX), else float32)")
         g.add_argument("--device", default=s, choices=DEVICE_CHOICES)
         g.add_argument("--num-kv-blocks", default=s, type=int, metavar="N",
                        help="KV cache blocks (default: sized from memory)")
@@ -68,6 +70,8 @@ class ExecutorConfig:
         g.add_argument("--attention-backend", default=s, choices=ATTENTION_BACKEND_CHOICES)
         g.add_argument("--max-model-len", default=s, type=int, metavar="N",
                        help="cap on the context length (default: the model's max_position_embeddings)")
+        g.add_argument("--enforce-eager", default=s, action="store_true",
+                       help="never compile: decode attention gathers blocks and calls SDPA (slower, starts faster)")
         g.add_argument("--host", default=s, help="address to listen on (127.0.0.1)")
         g.add_argument("--port", default=s, type=int, help="port to listen on (50061)")
         g.add_argument("--token", default=s,
@@ -164,15 +168,47 @@ class ExecutorConfig:
         return self.device
 
     def resolved_dtype_name(self) -> str:
-        """'float32', 'bfloat16' or 'float16' ('auto' is float32 on CPU, bfloat16 on CUDA)."""
-        if self.dtype == "auto":
-            return "bfloat16" if self.resolved_device() == "cuda" else "float32"
-        return self.dtype
+        """'float32', 'bfloat16' or 'float16'; see `dtype_choice` for 'auto'."""
+        return self.dtype_choice()[0]
+
+    def dtype_choice(self) -> tuple[str, str]:
+        """The dtype's name and a sentence saying why (logged, so 'auto' is never a mystery)."""
+        if self.dtype != "auto":
+            return self.dtype, f"--dtype {self.dtype}"
+        if self.resolved_device() == "cuda":
+            return "bfloat16", "auto: bfloat16 on CUDA"
+        flags = cpu_bf16_flags()
+        if flags:
+            return "bfloat16", f"auto: this CPU has native bf16 ({', '.join(flags)})"
+        return "float32", "auto: float32, this CPU has no native bf16 (avx512_bf16 or amx_bf16)"
 
     def resolved_dtype(self) -> Any:
         import torch
 
         return getattr(torch, self.resolved_dtype_name())
+
+
+def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """The native-bf16 CPU flags present (avx512_bf16, amx_bf16), read from /proc/cpuinfo; empty
+    where that file is missing (not Linux) or has none."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    present = set(line.split(":", 1)[1].split())
+                    return [flag for flag in ("avx512_bf16", "amx_bf16") if flag in present]
+    except OSError:
+        pass
+    return []
+
+
+def _bool(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(raw)
 
 
 def _int(raw: str) -> int:
@@ -188,6 +224,7 @@ _ENV_CONVERTERS: dict[str, Callable[[str], Any]] = {
     "gpu_memory_utilization": _float,
     "kv_cache_space": _float,
     "max_model_len": _int,
+    "enforce_eager": _bool,
     "port": _int,
     "dtype": lambda s: s.strip().lower(),
     "device": lambda s: s.strip().lower(),

@@ -40,7 +40,8 @@ from chunkwise.plan import (
     validate_chunk_geometry,
 )
 
-from .attention import AttentionBackend, BatchLayout, StepAttention, select_backend
+from .attention import AttentionBackend, BatchLayout, StepAttention, TorchAttentionBackend, select_backend
+from .attention.paged_decode import PagedDecodeKernel
 from .config import ExecutorConfig
 from .kv_cache import KVCache, KVCacheShape, plan_num_blocks
 from .loader import load_model
@@ -64,6 +65,7 @@ class ModelInfo:
     device: str  # "cpu", "cuda:0", ...
     attention_backend: str  # "torch" | "flash-attn" (provisional until initialize())
     num_parameters: int
+    decode_attention: str = ""  # torch backend: "paged-inductor" | "sdpa-folded"; else the backend's name
     num_layers: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
@@ -130,7 +132,9 @@ class ModelRunner:
         self.device = torch.device(config.resolved_device())
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.dtype: torch.dtype = config.resolved_dtype()
+        dtype_name, dtype_reason = config.dtype_choice()
+        self.dtype: torch.dtype = getattr(torch, dtype_name)
+        logger.info("dtype %s (%s)", dtype_name, dtype_reason)
         loaded = load_model(config.model, self.dtype, self.device, config.max_model_len)
         self.model = loaded.model
         self.spec = loaded.spec
@@ -152,6 +156,13 @@ class ModelRunner:
             num_kv_heads=self.spec.num_kv_heads,
             head_dim=self.spec.head_dim,
         )
+        # Built (compiled or loaded from inductor's on-disk cache) and checked here, before the
+        # server reports ready, so that no request ever waits for a compile.
+        self.decode_kernel: PagedDecodeKernel | None = None
+        if backend_cls is TorchAttentionBackend and self.device.type == "cpu":
+            self.decode_kernel = PagedDecodeKernel(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
+                                                   self.dtype, self.device, config.enforce_eager)
+            logger.info("decode attention: %s", self.decode_kernel.reason)
         self.kv_cache: KVCache | None = None
         self.backend: AttentionBackend | None = None
         self.block_size: int | None = None
@@ -198,11 +209,18 @@ class ModelRunner:
         num_blocks = plan_num_blocks(shape, block_size, self.device, self.config.num_kv_blocks,
                                      self.config.gpu_memory_utilization, self.config.kv_cache_space)
         self.kv_cache = KVCache(shape, num_blocks, block_size, self.device)
-        self.backend = backend_cls(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim)
+        if backend_cls is TorchAttentionBackend:
+            backend: AttentionBackend = TorchAttentionBackend(
+                self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim, decode_kernel=self.decode_kernel)
+            decode = backend.decode_path
+        else:
+            backend = backend_cls(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim)
+            decode = backend_cls.name
+        self.backend = backend
         self.block_size = block_size
-        self._info = replace(self._info, attention_backend=backend_cls.name)
-        logger.info("attention backend %s (%s); KV cache %d blocks x %d tokens, %.1f MiB",
-                    backend_cls.name, reason, num_blocks, block_size, self.kv_cache.nbytes / 2**20)
+        self._info = replace(self._info, attention_backend=backend_cls.name, decode_attention=decode)
+        logger.info("attention backend %s (%s), decode rows: %s; KV cache %d blocks x %d tokens, %.1f MiB",
+                    backend_cls.name, reason, decode, num_blocks, block_size, self.kv_cache.nbytes / 2**20)
         return num_blocks
 
     def reset(self) -> None:

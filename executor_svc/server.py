@@ -95,6 +95,7 @@ def model_info_to_proto(info) -> pb.ModelInfo:
         device=str(info.device),
         attention_backend=info.attention_backend,
         num_parameters=info.num_parameters,
+        decode_attention=info.decode_attention,
     )
 
 

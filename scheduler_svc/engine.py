@@ -88,10 +88,10 @@ class Engine:
         self.scheduler = Scheduler(self._core_config(self.info), self.info.num_kv_blocks)
         self.tokenizer = self._load_tokenizer()
         log.info(
-            "executor %s: %s, vocab %d, max_model_len %d, %d KV blocks of %d tokens, %s/%s, attention %s",
+            "executor %s: %s, vocab %d, max_model_len %d, %d KV blocks of %d tokens, %s/%s, attention %s (decode: %s)",
             self.executor.address, self.info.architecture, self.info.vocab_size, self.max_model_len,
             self.info.num_kv_blocks, self.info.block_size, self.info.dtype, self.info.device,
-            self.info.attention_backend,
+            self.info.attention_backend, self.info.decode_attention or "unreported",
         )
         self._task = asyncio.create_task(self._run(), name="step-loop")
         if self.config.stats_interval > 0:

@@ -46,6 +46,7 @@ class ExecutorInfo:
     dtype: str
     device: str
     attention_backend: str
+    decode_attention: str = ""
 
 
 class ExecutorClient:
@@ -97,6 +98,7 @@ class ExecutorClient:
             dtype=m.dtype,
             device=m.device,
             attention_backend=m.attention_backend,
+            decode_attention=m.decode_attention,
         )
 
     async def execute(self, plan: StepPlan, epoch: str, timeout: float | None = None) -> StepResult:

@@ -4,10 +4,15 @@ Prefill chunks: per request, gather its blocks from the paged cache (one index_s
 blocks), trim to the context length and run scaled_dot_product_attention with a causal mask
 offset by the number of positions before the chunk.
 
-Single-query rows (decodes, and a fully cached prompt's last token) are batched: requests are
-sorted by context length and grouped so that one padded gather + one SDPA call serves a whole
-group, with a key-padding mask. Groups are capped in gathered bytes, so long contexts never
-blow up memory. A loop over requests or groups, never over tokens.
+Single-query rows (decodes, and a fully cached prompt's last token) take one of two paths:
+- with a ready PagedDecodeKernel (CPU, inductor): all of them in one call that reads keys and
+  values in place from their blocks through per-step slot ids (paged_decode.py);
+- otherwise (--enforce-eager, no C++ compiler, CUDA): requests are sorted by context length and
+  grouped so that one padded gather + one SDPA call serves a whole group, with a key-padding
+  mask and the query heads of each KV head folded into query rows (so SDPA sees plain multi-
+  query attention, not GQA). Groups are capped in gathered bytes, so long contexts never blow
+  up memory.
+A loop over requests or groups, never over tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch.nn.functional as F
 
 from ..kv_cache import write_kv
 from .base import AttentionBackend, BatchLayout
+from .paged_decode import PagedDecodeKernel, decode_slots
 
 # Upper bound on keys gathered (padded) by one batched decode call: groups x max context.
 DECODE_GROUP_MAX_KEYS = 1 << 16
@@ -58,13 +64,34 @@ class _DecodeGroup:
 
 
 @dataclass
+class _PagedDecode:
+    """All single-query rows of the step, for the paged decode kernel."""
+
+    q_rows: torch.Tensor  # [B'] batch rows, padded to >= 2 by repeating the first
+    num_rows: int  # B: the real rows, first in q_rows
+    slots: torch.Tensor  # [B', L] cache slot of each key
+    lens: torch.Tensor  # [B'] keys per row
+
+
+@dataclass
 class _TorchStep:
     prefills: list[_Prefill]
     decode_groups: list[_DecodeGroup]
+    paged_decode: _PagedDecode | None
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 decode_kernel: PagedDecodeKernel | None = None):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.decode_kernel = decode_kernel if decode_kernel is not None and decode_kernel.ready else None
+
+    @property
+    def decode_path(self) -> str:
+        """Which path single-query rows take: 'paged-inductor' or 'sdpa-folded'."""
+        return "paged-inductor" if self.decode_kernel is not None else "sdpa-folded"
 
     def prepare(self, layout: BatchLayout) -> _TorchStep:
         device = layout.block_table.device
@@ -84,7 +111,20 @@ class TorchAttentionBackend(AttentionBackend):
                 q_pos = torch.arange(start, ctx, device=device)
                 mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
             prefills.append(_Prefill(r, q0, q1, ctx, layout.num_blocks[r], mask, causal))
-        return _TorchStep(prefills, self._decode_groups(layout, singles))
+        if self.decode_kernel is not None and singles:
+            return _TorchStep(prefills, [], self._paged_decode(layout, singles))
+        return _TorchStep(prefills, self._decode_groups(layout, singles), None)
+
+    @staticmethod
+    def _paged_decode(layout: BatchLayout, singles: list[int]) -> _PagedDecode:
+        device = layout.block_table.device
+        rows = torch.tensor(singles, device=device)
+        nb = max(layout.num_blocks[r] for r in singles)
+        slots, lens = decode_slots(layout.block_table.index_select(0, rows)[:, :nb],
+                                   [layout.context_lens[r] for r in singles], layout.block_size)
+        q_rows = [layout.query_start[r] for r in singles]
+        q_rows += [q_rows[0]] * (slots.shape[0] - len(q_rows))
+        return _PagedDecode(torch.tensor(q_rows, device=device), len(singles), slots, lens)
 
     @staticmethod
     def _decode_groups(layout: BatchLayout, singles: list[int]) -> list[_DecodeGroup]:
@@ -143,6 +183,12 @@ class TorchAttentionBackend(AttentionBackend):
                            keys.transpose(0, 1).unsqueeze(0),  # [1, KVH, ctx, D]
                            values.transpose(0, 1).unsqueeze(0), s.mask, s.causal)
             out[s.q0 : s.q1] = o[0].transpose(0, 1)
+        if prepared.paged_decode is not None:
+            d = prepared.paged_decode
+            assert self.decode_kernel is not None
+            o = self.decode_kernel(q.index_select(0, d.q_rows), layer_cache[0].flatten(0, 1),
+                                   layer_cache[1].flatten(0, 1), d.slots, d.lens, self.scale)
+            out.index_copy_(0, d.q_rows[: d.num_rows], o[: d.num_rows])
         for g in prepared.decode_groups:
             n = g.q_rows.numel()
             keys = k_cache[g.block_table].flatten(1, 2)[:, : g.context_len]  # [G, ctx, KVH, D]
@@ -152,7 +198,10 @@ class TorchAttentionBackend(AttentionBackend):
                 # (stale data of other requests): zero them so a non-finite stale value can
                 # never leak through 0 * NaN.
                 keys, values = keys.masked_fill(g.pad, 0), values.masked_fill(g.pad, 0)
-            o = self._sdpa(q.index_select(0, g.q_rows).unsqueeze(2),  # [G, H, 1, D]
-                           keys.transpose(1, 2), values.transpose(1, 2), g.mask, False)
-            out.index_copy_(0, g.q_rows, o.view(n, self.num_heads, self.head_dim))
+            # The H / KVH query heads of each KV head become that head's query rows: [G, KVH, H/KVH, D]
+            # against [G, KVH, ctx, D], plain attention with no GQA expansion of keys or values.
+            folded = q.index_select(0, g.q_rows).view(n, self.num_kv_heads, -1, self.head_dim)
+            o = F.scaled_dot_product_attention(folded, keys.transpose(1, 2), values.transpose(1, 2),
+                                               attn_mask=g.mask, scale=self.scale)
+            out.index_copy_(0, g.q_rows, o.reshape(n, self.num_heads, self.head_dim))
         return out

@@ -15,6 +15,7 @@ from executor_svc.attention import (
     TorchAttentionBackend,
     select_backend,
 )
+from executor_svc.attention.paged_decode import PagedDecodeKernel, decode_slots, paged_decode_reference
 from executor_svc.kv_cache import KVCache, KVCacheShape
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
@@ -84,15 +85,86 @@ CHUNKS = [
 ]
 
 
+_KERNELS: dict[torch.dtype, PagedDecodeKernel] = {}
+
+
+def paged_kernel(dtype=torch.float32) -> PagedDecodeKernel:
+    """One compiled kernel per dtype for the whole test session (it serves every shape)."""
+    if dtype not in _KERNELS:
+        _KERNELS[dtype] = PagedDecodeKernel(HEADS, KV_HEADS, DIM, dtype, torch.device("cpu"), enforce_eager=False)
+    kernel = _KERNELS[dtype]
+    assert kernel.ready, kernel.reason
+    return kernel
+
+
+def torch_backend(decode_path: str, dtype=torch.float32) -> TorchAttentionBackend:
+    kernel = paged_kernel(dtype) if decode_path == "paged-inductor" else None
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, DIM, decode_kernel=kernel)
+    assert backend.decode_path == decode_path
+    return backend
+
+
+DECODE_PATHS = ["sdpa-folded", "paged-inductor"]
+
+
+@pytest.mark.parametrize("decode_path", DECODE_PATHS)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_torch_backend_matches_naive_attention(block_size):
+def test_torch_backend_matches_naive_attention(block_size, decode_path):
     layout, cache, q, k, v, fk, fv = build_case(CHUNKS, block_size, num_blocks=128)
-    backend = TorchAttentionBackend(HEADS, KV_HEADS, DIM)
-    out = StepAttention(backend, cache, layout)(0, q, k, v)
+    out = StepAttention(torch_backend(decode_path), cache, layout)(0, q, k, v)
     torch.testing.assert_close(out, naive_attention(q, fk, fv, layout), atol=1e-5, rtol=1e-5)
 
 
-def test_torch_backend_batched_decodes_ignore_foreign_slots(monkeypatch):
+@pytest.mark.parametrize("chunks", [[(0, 1, 0)], [(4, 1, 4)], [(0, 1, 0), (0, 1, 0)], [(40, 1, 40)] * 3])
+def test_paged_decode_handles_the_smallest_batches(chunks):
+    # One row, one key, ... : the sizes a compiler specialises; padding must keep them exact.
+    layout, cache, q, k, v, fk, fv = build_case(chunks, 16, num_blocks=32, seed=5)
+    out = StepAttention(torch_backend("paged-inductor"), cache, layout)(0, q, k, v)
+    torch.testing.assert_close(out, naive_attention(q, fk, fv, layout), atol=1e-5, rtol=1e-5)
+
+
+def test_paged_decode_serves_new_shapes_without_recompiling():
+    kernel = paged_kernel()
+    g = torch.Generator().manual_seed(1)
+    # As in the executor: the cache is an ordinary tensor, the rest is made in inference mode.
+    k_flat, v_flat = torch.randn(512, KV_HEADS, DIM, generator=g), torch.randn(512, KV_HEADS, DIM, generator=g)
+    with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
+        for lens in ([1], [3, 9], [100, 7, 64, 2, 31], list(range(1, 40))):
+            table = torch.randint(0, 32, (len(lens), 8), generator=g)
+            slots, lens_t = decode_slots(table, lens, 16)
+            q = torch.randn(slots.shape[0], HEADS, DIM, generator=g)
+            got = kernel(q, k_flat, v_flat, slots, lens_t, DIM**-0.5)
+            torch.testing.assert_close(got, paged_decode_reference(q, k_flat, v_flat, slots, lens_t, DIM**-0.5),
+                                       atol=1e-5, rtol=1e-5)
+
+
+def test_paged_decode_bf16_within_bf16_rounding_of_fp32():
+    # bf16 keeps 8 significant bits: each input is off by up to 2^-9 relative. The fp32 softmax
+    # and accumulation add nothing comparable, so the output of a convex combination of values
+    # in [-4, 4] is within a few bf16 ulps of the fp32 answer: 2^-9 * 4 * 4 bounds it loosely.
+    chunks = [(n - 1, 1, n - 1) for n in (5, 17, 64, 200, 333)]
+    layout, cache32, q, k, v, fk, fv = build_case(chunks, 16, num_blocks=128, seed=7)
+    _, cache16, q16, k16, v16, _, _ = build_case(chunks, 16, num_blocks=128, dtype=torch.bfloat16, seed=7)
+    want = naive_attention(q, fk, fv, layout)
+    got = StepAttention(torch_backend("paged-inductor", torch.bfloat16), cache16, layout)(0, q16, k16, v16)
+    err = (got.float() - want).abs().max().item()
+    assert err <= 2**-9 * 16, err
+    # and it is really bf16 arithmetic on bf16 data, not an fp32 result by accident
+    assert got.dtype == torch.bfloat16 and err > 0
+
+
+def test_enforce_eager_and_no_compiler_fall_back_with_a_reason(monkeypatch):
+    eager = PagedDecodeKernel(HEADS, KV_HEADS, DIM, torch.float32, torch.device("cpu"), enforce_eager=True)
+    assert not eager.ready and "--enforce-eager" in eager.reason
+    assert TorchAttentionBackend(HEADS, KV_HEADS, DIM, decode_kernel=eager).decode_path == "sdpa-folded"
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    missing = PagedDecodeKernel(HEADS, KV_HEADS, DIM, torch.float32, torch.device("cpu"), enforce_eager=False)
+    assert not missing.ready and "no C++ compiler" in missing.reason
+
+
+@pytest.mark.parametrize("decode_path", DECODE_PATHS)
+def test_torch_backend_batched_decodes_ignore_foreign_slots(monkeypatch, decode_path):
     # Many single-query rows of different context lengths, split into several padded groups;
     # every slot no request owns is NaN, so a padded key that leaked would poison the output.
     import executor_svc.attention.torch_backend as tb
@@ -107,9 +179,11 @@ def test_torch_backend_batched_decodes_ignore_foreign_slots(monkeypatch):
     k_flat, v_flat = cache.flat(0)
     foreign = torch.tensor(sorted(set(range(cache.num_slots)) - owned))
     k_flat[foreign], v_flat[foreign] = float("nan"), float("nan")
-    backend = TorchAttentionBackend(HEADS, KV_HEADS, DIM)
-    step = StepAttention(backend, cache, layout)
-    assert len(step.prepared.decode_groups) > 2
+    step = StepAttention(torch_backend(decode_path), cache, layout)
+    if decode_path == "sdpa-folded":
+        assert len(step.prepared.decode_groups) > 2
+    else:
+        assert step.prepared.paged_decode.num_rows == 9
     out = step(0, q, k, v)
     torch.testing.assert_close(out, naive_attention(q, fk, fv, layout), atol=1e-5, rtol=1e-5)
 

@@ -20,9 +20,12 @@ from .helpers import Driver, hf_logits, make_runner, random_tokens
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-eager"])
 def setup(request, tiny_llama_path, tiny_qwen2_path):
-    path = tiny_llama_path if request.param == "llama" else tiny_qwen2_path
+    """Both architectures through the compiled paged decode kernel (the default), and llama also
+    through the eager fallback (--enforce-eager: folded-query SDPA over gathered blocks)."""
+    path = tiny_qwen2_path if request.param == "qwen2" else tiny_llama_path
+    eager = request.param.endswith("-eager")
     ref = load_reference(path)
     cache: dict[tuple[int, ...], torch.Tensor] = {}
 
@@ -32,7 +35,12 @@ def setup(request, tiny_llama_path, tiny_qwen2_path):
             cache[key] = hf_logits(ref, tokens)
         return cache[key]
 
-    return path, reference
+    def runner(**kwargs):
+        r = make_runner(path, enforce_eager=eager, **kwargs)
+        assert r.info.decode_attention == ("sdpa-folded" if eager else "paged-inductor")
+        return r
+
+    return runner, reference
 
 
 def check_request(driver: Driver, rid: str, reference, start: int) -> None:
@@ -45,8 +53,8 @@ def check_request(driver: Driver, rid: str, reference, start: int) -> None:
 
 
 def test_chunks_of_assorted_sizes_with_cached_prefix_and_mixed_decodes(setup):
-    path, reference = setup
-    runner = make_runner(path, block_size=8, num_kv_blocks=96)
+    make, reference = setup
+    runner = make(block_size=8, num_kv_blocks=96)
     d = Driver(runner, seed=1)
     shared = random_tokens(40, seed=10)  # 5 full blocks
     warm = d.add("warm", shared + random_tokens(13, seed=11))
@@ -75,8 +83,8 @@ def test_chunks_of_assorted_sizes_with_cached_prefix_and_mixed_decodes(setup):
 def test_recomputed_positions_below_kv_write_start(setup):
     # The scheduler may recompute queries of cached positions (num_computed_tokens <
     # kv_write_start): those rows are computed but their KV is not written.
-    path, reference = setup
-    runner = make_runner(path, block_size=8)
+    make, reference = setup
+    runner = make(block_size=8)
     d = Driver(runner, seed=2)
     shared = random_tokens(32, seed=20)
     warm = d.add("warm", shared + random_tokens(5, seed=21))
@@ -89,8 +97,8 @@ def test_recomputed_positions_below_kv_write_start(setup):
 
 
 def test_fully_cached_prompt_computes_only_its_last_token(setup):
-    path, reference = setup
-    runner = make_runner(path, block_size=8)
+    make, reference = setup
+    runner = make(block_size=8)
     d = Driver(runner, seed=3)
     prompt = random_tokens(48, seed=30)  # exactly 6 blocks
     warm = d.add("warm", list(prompt))
@@ -116,9 +124,9 @@ def test_fully_cached_prompt_computes_only_its_last_token(setup):
 @given(data=st.data())
 def test_random_schedules_match_reference(setup, data):
     """Random prompt lengths, cached-prefix sizes, chunk sizes and interleavings."""
-    path, reference = setup
+    make, reference = setup
     block_size = data.draw(st.sampled_from([4, 8, 16]), label="block_size")
-    runner = make_runner(path, block_size=block_size, num_kv_blocks=160)
+    runner = make(block_size=block_size, num_kv_blocks=160)
     d = Driver(runner, seed=data.draw(st.integers(0, 100), label="seed"))
     shared = random_tokens(data.draw(st.integers(1, 60), label="shared"), seed=40)
     warm = d.add("warm", shared + random_tokens(data.draw(st.integers(1, 20)), seed=41))
@@ -142,3 +150,16 @@ def test_random_schedules_match_reference(setup, data):
     for rid, start in reqs.items():
         if d.reqs[rid].logits:
             check_request(d, rid, reference, start)
+
+
+def test_decode_steps_never_wait_for_a_compile(tiny_llama_path):
+    # The kernel is compiled and warmed while the runner is built; no batch size or context
+    # length a step brings may compile again (that would stall every request for seconds).
+    runner = make_runner(tiny_llama_path, block_size=4, num_kv_blocks=200)
+    assert runner.info.decode_attention == "paged-inductor"
+    d = Driver(runner, seed=4)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for i, n in enumerate((1, 2, 5, 33, 70, 3, 9)):
+            d.add(f"r{i}", random_tokens(n, seed=60 + i))
+            d.step({f"r{i}": None})
+            d.step({f"r{j}": 1 for j in range(i + 1)})  # a decode batch of every request so far

@@ -68,10 +68,44 @@ def test_cpu_only_checks():
     if torch.cuda.is_available():
         pytest.skip("checks what happens without CUDA")
     assert parse(["--device", "auto"]).resolved_device() == "cpu"
-    assert parse([]).resolved_dtype_name() == "float32"
+    import executor_svc.config as config_module
+
+    native = config_module.cpu_bf16_flags()
+    assert parse([]).resolved_dtype_name() == ("bfloat16" if native else "float32")
     with pytest.raises(ConfigError, match="float16 is only supported on CUDA"):
         parse(["--dtype", "float16"])
     with pytest.raises(ConfigError, match="--device cuda was requested but torch sees no CUDA device"):
         parse(["--device", "cuda"])
     with pytest.raises(ConfigError, match="flash-attn needs a CUDA device"):
         parse(["--attention-backend", "flash-attn"])
+
+
+def test_auto_dtype_follows_the_cpu_flags(tmp_path, monkeypatch):
+    import torch
+
+    import executor_svc.config as config_module
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU choice")
+    with_bf16, without = tmp_path / "bf16", tmp_path / "plain"
+    with_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile\n")
+    without.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n")
+    assert config_module.cpu_bf16_flags(str(with_bf16)) == ["avx512_bf16"]
+    assert config_module.cpu_bf16_flags(str(without)) == []
+    assert config_module.cpu_bf16_flags(str(tmp_path / "missing")) == []
+
+    monkeypatch.setattr(config_module, "cpu_bf16_flags", lambda: ["amx_bf16"])
+    assert parse([]).dtype_choice() == ("bfloat16", "auto: this CPU has native bf16 (amx_bf16)")
+    monkeypatch.setattr(config_module, "cpu_bf16_flags", lambda: [])
+    name, why = parse([]).dtype_choice()
+    assert name == "float32" and "no native bf16" in why
+    assert parse(["--dtype", "float32"]).dtype_choice() == ("float32", "--dtype float32")
+
+
+def test_enforce_eager_flag_and_env():
+    assert parse([]).enforce_eager is False
+    assert parse(["--enforce-eager"]).enforce_eager is True
+    assert ExecutorConfig.from_args([], env={"CHUNKWISE_ENFORCE_EAGER": "1"}).enforce_eager is True
+    assert ExecutorConfig.from_args([], env={"CHUNKWISE_ENFORCE_EAGER": "off"}).enforce_eager is False
+    with pytest.raises(ConfigError, match="CHUNKWISE_ENFORCE_EAGER"):
+        ExecutorConfig.from_args([], env={"CHUNKWISE_ENFORCE_EAGER": "maybe"})

@@ -126,7 +126,7 @@ def test_kv_cache_sized_from_cpu_memory(tiny_llama_path):
     per_block = shape.bytes_per_block(16)
     assert per_block == 2 * 2 * 16 * 2 * 16 * 4
     space = 0.001
-    runner = ModelRunner(ExecutorConfig(model=str(tiny_llama_path), kv_cache_space=space))
+    runner = ModelRunner(ExecutorConfig(model=str(tiny_llama_path), kv_cache_space=space, dtype="float32"))
     assert runner.initialize(16) == int(space * GIB) // per_block
     assert runner.kv_cache.nbytes <= space * GIB
 
@@ -147,6 +147,6 @@ def test_reinitialize_reallocates_and_drops_requests(tiny_llama_path):
 
 
 def test_execute_before_initialize_is_an_error(tiny_llama_path):
-    runner = ModelRunner(ExecutorConfig(model=str(tiny_llama_path), num_kv_blocks=4))
+    runner = ModelRunner(ExecutorConfig(model=str(tiny_llama_path), num_kv_blocks=4, dtype="float32"))
     with pytest.raises(RuntimeError, match="initialize"):
         runner.execute(StepPlan(1))
