@@ -98,7 +98,8 @@ def run_scenario(name: str, steps: int, num_running: int, num_waiting: int, seed
         for _ in range(steps):
             step(dry)
             peak = max(peak, dry.block_pool.num_used_blocks)
-        num_blocks = peak + 64
+        # (never below one max_model_len request, which the scheduler's config check requires)
+        num_blocks = max(peak + 64, -(-4096 // BLOCK_SIZE))
     scheduler = build(name, num_running, num_waiting, num_blocks, seed)
 
     schedule_s = update_s = 0.0

@@ -38,6 +38,8 @@ class _StatsCollector(Collector):
             ("generation_tokens", "Output tokens computed", st.decode_tokens),
             ("num_preemptions", "Requests preempted for KV space", st.preemptions),
             ("steps", "Engine steps executed", st.steps),
+            ("prefix_holds", "Admissions put off a step because another request was computing the same "
+             "prefix block (counted per request and step)", st.prefix_holds),
         )
         for name, doc, value in counters:
             c = CounterMetricFamily(f"chunkwise:{name}", doc)

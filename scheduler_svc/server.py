@@ -149,6 +149,7 @@ def stats_to_proto(engine: Engine) -> gpb.Stats:
         decode_tokens=st.decode_tokens,
         preemptions=st.preemptions,
         recomputed_tokens=st.recomputed_tokens,
+        prefix_holds=st.prefix_holds,
         num_running=st.num_running,
         num_waiting=st.num_waiting,
         kv_blocks_total=st.kv_blocks_total,
@@ -158,6 +159,9 @@ def stats_to_proto(engine: Engine) -> gpb.Stats:
         requests_finished=dict(st.requests_finished),
         block_size=engine.scheduler.config.block_size,
         executor_epoch=engine.info.epoch,
+        attention_backend=engine.info.attention_backend,
+        decode_attention=engine.info.decode_attention,
+        dtype=engine.info.dtype,
         executor_restarts=engine.executor_restarts,
     )
 

@@ -14,7 +14,10 @@ Order within a step:
    stopping at the first that does not fit (so the cost never depends on the queue's length).
 Waiting requests are not admitted in a step that preempted, or that left a running request without
 a chunk: newer requests must not take KV or budget ahead of older ones, which is what keeps every
-request finishing (see `_schedule_running`).
+request finishing (see `_schedule_running`). With prefix caching, a waiting request whose next
+uncached full block is being computed by a running request (same hash, not yet registered) is
+held at the head of the queue and skipped for this step: it will hit that block once the step that
+writes it is reported, instead of computing the same prefix again. The others behind it go on.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ class SchedulerStats:
     decode_tokens: int = 0  # output positions computed (fed back after sampling)
     recomputed_tokens: int = 0  # positions computed again after a preemption or executor restart
     preemptions: int = 0  # requests preempted for KV space
+    # Admissions put off because the request's next prefix block was being computed by another
+    # request (it then gets the block as a cache hit instead); counted per request and step.
+    prefix_holds: int = 0
     executor_restarts: int = 0  # handle_executor_restart() calls
     # Requests finished, by reason: always the keys 'stop', 'length' and 'abort'.
     requests_finished: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
@@ -231,12 +237,23 @@ class Scheduler:
         if not preempted_this_step and not running_left_out:
             max_num_seqs = self.config.max_num_seqs
             waiting = self._waiting
+            # Full blocks some running request is computing but has not yet reported (so not yet
+            # in the prefix index). A waiting request whose next uncached block is one of them is
+            # held, not admitted: admitting it now would compute the same prefix a second time,
+            # since it can share the block only once the step that writes it has been executed.
+            pending = self._pending_block_hashes() if self.config.enable_prefix_caching else set()
+            held: list[Request] = []
             while waiting and budget > 0 and len(running) < max_num_seqs:
                 req = waiting[0]
+                if pending and self._next_block_is_pending(req, pending):
+                    held.append(waiting.popleft())
+                    continue
                 chunk = self._admit(req, budget, step_id)
                 if chunk is None:
                     break
                 waiting.popleft()
+                if self.config.enable_prefix_caching:
+                    pending.update(self._uncomputed_full_block_hashes(req))
                 running.append(req)
                 budget -= chunk.num_tokens
                 scheduled.append((req, chunk))
@@ -251,6 +268,8 @@ class Scheduler:
                 req.executor_has_state = True
                 req.num_tokens_sent = req.num_tokens
                 req.num_blocks_sent = len(req.block_ids)
+            waiting.extendleft(reversed(held))  # back at the head, in their order
+            self._counters.prefix_holds += len(held)
 
         plan.chunks = [chunk for _, chunk in scheduled]
         plan.finished_req_ids = self._finished_ids_to_send
@@ -346,6 +365,30 @@ class Scheduler:
             req.executor_has_state = False
         req.num_tokens_sent = 0
         req.num_blocks_sent = 0
+
+    def _uncomputed_full_block_hashes(self, req: Request) -> list[BlockHash]:
+        """Hashes of the request's full blocks that are not registered yet (being computed)."""
+        num_full = req.num_tokens // self.block_size
+        return [self._block_hash(req, i) for i in range(req.num_registered_blocks, num_full)]
+
+    def _pending_block_hashes(self) -> set[BlockHash]:
+        pending: set[BlockHash] = set()
+        size = self.block_size
+        for req in self._running:
+            if req.num_registered_blocks < req.num_tokens // size:
+                pending.update(self._uncomputed_full_block_hashes(req))
+        return pending
+
+    def _next_block_is_pending(self, req: Request, pending: set[BlockHash]) -> bool:
+        """Whether the first full block of `req` that the prefix index lacks is being computed by
+        a running request: then `req` gets it as a cache hit by waiting for that step to land."""
+        size = self.block_size
+        tokens = req.all_token_ids
+        for i in range(len(tokens) // size):
+            block_hash = self._block_hash(req, i)
+            if self.block_pool.lookup(block_hash, tokens[i * size : (i + 1) * size]) is None:
+                return block_hash in pending
+        return False
 
     def _admit(self, req: Request, budget: int, step_id: int) -> ScheduledChunk | None:
         """Give a waiting request its block table and first chunk, or None if it does not fit now."""

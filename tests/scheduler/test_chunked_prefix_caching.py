@@ -88,8 +88,30 @@ def test_repeats_report_112_and_127_cached_tokens():
 
 def test_identical_prompts_in_one_step_do_not_share_uncomputed_blocks():
     # If blocks were indexed when scheduled, the second request would "hit" the first one's blocks in
-    # the same step, before anything wrote them; the fake executor rejects reading such KV.
+    # the same step, before anything wrote them; the fake executor rejects reading such KV. What
+    # happens instead: the second is held while the first computes the blocks, then hits them.
     scheduler, executor = make(budget=256)
+    a = Request("a", PROMPT_120, max_tokens=2)
+    b = Request("b", PROMPT_120, max_tokens=2)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    plan = scheduler.schedule()
+    assert [(c.req_id, c.num_computed_tokens, c.end) for c in plan.chunks] == [("a", 0, 120)]
+    assert scheduler.block_pool.num_indexed_blocks == 0
+    scheduler.update(plan, executor.execute(plan))
+    assert scheduler.block_pool.num_indexed_blocks == 7  # registered only now, after the step ran
+    plan = scheduler.schedule()
+    chunk_b = next(c for c in plan.chunks if c.req_id == "b")
+    assert (chunk_b.num_computed_tokens, chunk_b.kv_write_start, chunk_b.end) == (112, 112, 120)
+    assert plan.new_requests[0].block_ids[:7] == a.block_ids[:7]
+    scheduler.update(plan, executor.execute(plan))
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 112
+    run_until_done(scheduler, executor)
+    check_invariants(scheduler, executor)
+
+
+def test_identical_prompts_without_prefix_caching_compute_separately():
+    scheduler, executor = make(budget=256, caching=False)
     a = Request("a", PROMPT_120, max_tokens=2)
     b = Request("b", PROMPT_120, max_tokens=2)
     scheduler.add_request(a)
@@ -98,9 +120,6 @@ def test_identical_prompts_in_one_step_do_not_share_uncomputed_blocks():
     assert [(c.req_id, c.num_computed_tokens, c.end) for c in plan.chunks] == [("a", 0, 120), ("b", 0, 120)]
     assert not set(plan.new_requests[0].block_ids) & set(plan.new_requests[1].block_ids)
     scheduler.update(plan, executor.execute(plan))
-    assert a.num_cached_tokens == b.num_cached_tokens == 0
-    # Both computed the same 7 blocks; only one copy is indexed.
-    assert scheduler.block_pool.num_indexed_blocks == 7
     run_until_done(scheduler, executor)
     check_invariants(scheduler, executor)
 
@@ -197,3 +216,45 @@ def test_without_chunked_prefill_a_prompt_is_scheduled_whole_or_not_at_all():
     scheduler.add_request(c)
     run_until_done(scheduler, executor)
     assert c.num_cached_tokens == 192
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once():
+    # Four prompts share a 96-token prefix (6 blocks) and arrive in the same instant. Without the
+    # hold, all four would compute the prefix in the first step, because a block is shared only
+    # after the step that wrote it has been reported. With it, the first computes the prefix and
+    # the others are admitted as soon as its blocks are registered, each hitting all 6 blocks.
+    shared = [(5 * i + 1) % 1000 for i in range(96)]
+    prompts = {f"r{j}": shared + [(11 * i + j) % 1000 for i in range(30)] for j in range(4)}
+    for budget in (512, 64):  # the prefix in one step, and in two chunks
+        scheduler, executor = make(budget=budget, num_blocks=128)
+        reqs = [Request(rid, p, max_tokens=3) for rid, p in prompts.items()]
+        for r in reqs:
+            scheduler.add_request(r)
+        first = scheduler.schedule()
+        assert [c.req_id for c in first.chunks] == ["r0"], budget
+        assert scheduler.num_waiting == 3
+        # (with budget 64 the first chunk spends the whole budget: the others are not even tried)
+        assert scheduler.stats().prefix_holds == (3 if budget == 512 else 0)
+        scheduler.update(first, executor.execute(first))
+        run_until_done(scheduler, executor)
+        assert [r.num_cached_tokens for r in reqs] == [0, 96, 96, 96], budget
+        stats = scheduler.stats()
+        assert stats.prefill_tokens == 96 + 4 * 30 and stats.prefix_cache_hits == 3 * 96
+        assert all(expected_outputs_ok(r) for r in reqs)
+        check_invariants(scheduler, executor)
+
+
+def test_the_hold_needs_a_block_actually_being_computed():
+    # Different prefixes are never held, and without prefix caching nothing is.
+    for caching in (True, False):
+        scheduler, executor = make(budget=512, caching=caching)
+        for j in range(3):
+            scheduler.add_request(Request(f"u{j}", [(13 * i + 100 * j) % 1000 for i in range(40)], max_tokens=1))
+        plan = scheduler.schedule()
+        assert len(plan.chunks) == 3 and scheduler.stats().prefix_holds == 0
+        scheduler.update(plan, executor.execute(plan))
+    scheduler, executor = make(budget=512, caching=False)
+    same = [(7 * i) % 1000 for i in range(64)]
+    for j in range(2):
+        scheduler.add_request(Request(f"s{j}", same, max_tokens=1))
+    assert len(scheduler.schedule().chunks) == 2
