@@ -10,8 +10,8 @@ torch.compile (inductor), the gather `k_flat[slots]` is fused into the score and
 each key and value is read once, straight from its block, and never materialised.
 
 - `decode_slots`: slot ids and the key count per row, padded to a batch of >= 2 rows and >= 2
-  keys (sizes 0 and 1 are specialised by the compiler, so padding keeps one compiled kernel for
-  every batch size and context length).
+  keys (the compiler specialises sizes 0 and 1, so padding keeps one compiled kernel for every
+  batch size and context length).
 - `paged_decode_reference`: the same math, eager: the definition the compiled kernel is tested
   against, and readable.
 - `PagedDecodeKernel`: compiles it once with dynamic batch, context and cache sizes, warms it
@@ -40,8 +40,8 @@ MIN_PADDED = 2
 def decode_slots(block_table: torch.Tensor, lens: list[int], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Slot ids [B', L] int64 and key counts [B'] int64 for single-query rows with contexts
     `lens`, whose block tables are the rows of `block_table` [B, nb]. B' = max(B, 2) and L =
-    max(max(lens), 2); padding rows have one key (slot 0, a valid index that is masked out
-    nowhere else: its output is discarded)."""
+    max(max(lens), 2). Padding rows attend to one key, slot 0 (any valid index will do: their
+    output is discarded)."""
     device = block_table.device
     b = len(lens)
     width = max(max(lens), MIN_PADDED)
