@@ -57,3 +57,33 @@ def setup_logging(level: str | None = None, fmt: str | None = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+class RepeatedLog:
+    """Log a message that may repeat many times a second (a retry loop) once, then at most one
+    summary line per `interval` seconds saying how often it repeated, until `reset()`.
+
+    Repeats are keyed by `key`, so a different problem is logged at once."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 30.0, clock=time.monotonic):
+        self._logger = logger
+        self._interval = interval
+        self._clock = clock
+        self._key: str | None = None
+        self._since = 0.0
+        self._repeats = 0
+
+    def log(self, level: int, key: str, msg: str, *args) -> None:
+        now = self._clock()
+        if key != self._key:
+            self._key, self._since, self._repeats = key, now, 0
+            self._logger.log(level, msg, *args)
+            return
+        self._repeats += 1
+        if now - self._since >= self._interval:
+            self._logger.log(level, msg + " (repeated %d times in the last %.0f s)", *args, self._repeats,
+                             now - self._since)
+            self._since, self._repeats = now, 0
+
+    def reset(self) -> None:
+        self._key = None

@@ -63,6 +63,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 num_kv_blocks=num_blocks,
             )
 
+    def GetEpoch(self, request: pb.GetEpochRequest, context) -> pb.GetEpochResponse:
+        # No lock: it must answer while a long step runs, and reading one str is atomic.
+        return pb.GetEpochResponse(executor_epoch=self._epoch)
+
     def ExecuteStep(self, request: pb.StepPlan, context) -> pb.StepResult:
         with self._lock:
             if not context.is_active():  # the scheduler timed out on this step and resynchronises

@@ -17,6 +17,7 @@ from typing import Callable
 
 import grpc
 
+from chunkwise.logging_setup import RepeatedLog
 from chunkwise.plan import SampledToken, StepResult
 from scheduler_svc.config import ServiceConfig
 from scheduler_svc.core import Request, RequestOutput, Scheduler, SchedulerConfig
@@ -80,6 +81,7 @@ class Engine:
         self.on_serving_change: Callable[[bool], None] | None = None
         self.step_seconds_total = 0.0  # wall time of executed steps, as the scheduler saw them
         self.executor_seconds_total = 0.0  # of which the executor reported computing
+        self._unusable_log = RepeatedLog(log)
         self.metrics = Metrics(lambda: self.scheduler.stats() if self.scheduler is not None else None)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -241,11 +243,21 @@ class Engine:
                 await self._reconnect()
 
     async def _run_steps(self) -> None:
+        was_idle = False
         while True:
             if not self.scheduler.has_work():  # work includes executor state still to drop
                 self._wake.clear()
                 await self._wake.wait()
+                was_idle = True
                 continue
+            if was_idle:
+                was_idle = False
+                if not await self._executor_unchanged():
+                    # It restarted (or went away) while nothing ran: drop the prefix index before
+                    # any request is matched against KV that died with the old process.
+                    self.scheduler.handle_executor_restart()
+                    await self._reconnect()
+                    continue
             plan = self.scheduler.schedule()
             if plan.is_empty:
                 # Nothing fits this step (e.g. every waiting request needs blocks nobody frees
@@ -270,6 +282,23 @@ class Engine:
             self._dispatch(self.scheduler.update(plan, result))
             # Yield once per step so handlers can enqueue and streams can flush.
             await asyncio.sleep(0)
+
+    async def _executor_unchanged(self) -> bool:
+        """Whether the executor still has the epoch of our handshake (one loopback call, made
+        only after an idle spell; under load the failed step itself tells of a restart). A step
+        refused for a restart that happens after this check leaves no trace either: hits are
+        counted only when their step ran (Scheduler.update)."""
+        try:
+            epoch = await self.executor.epoch()
+        except grpc.aio.AioRpcError as e:
+            log.warning("executor at %s did not answer after an idle spell (%s); resynchronising",
+                        self.executor.address, e.code().name)
+            return False
+        if epoch != self.info.epoch:
+            log.warning("executor at %s restarted while idle (epoch %s, ours %s); resynchronising",
+                        self.executor.address, epoch or "none", self.info.epoch)
+            return False
+        return True
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -387,8 +416,11 @@ class Engine:
         try:
             core = self._core_config(info)
         except ValueError as e:  # e.g. its KV cache can no longer hold one max_model_len request
-            log.error("executor at %s came back unusable: %s", self.executor.address, e)
+            # _reconnect retries every 0.2 s: one line, then a summary now and then.
+            self._unusable_log.log(logging.ERROR, str(e), "executor at %s came back unusable: %s",
+                                   self.executor.address, e)
             return str(e)
+        self._unusable_log.reset()
         old = self.info
         same = (
             core == self.scheduler.config

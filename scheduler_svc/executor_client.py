@@ -101,6 +101,11 @@ class ExecutorClient:
             decode_attention=m.decode_attention,
         )
 
+    async def epoch(self, timeout: float = 2.0) -> str:
+        """The executor's current epoch (AioRpcError if it cannot be reached in `timeout`)."""
+        resp = await self._stub.GetEpoch(pb.GetEpochRequest(), metadata=self._metadata, timeout=timeout)
+        return resp.executor_epoch
+
     async def execute(self, plan: StepPlan, epoch: str, timeout: float | None = None) -> StepResult:
         msg = codec.plan_to_proto(plan, epoch)
         resp = await self._stub.ExecuteStep(

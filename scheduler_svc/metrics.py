@@ -32,8 +32,15 @@ class _StatsCollector(Collector):
         if st is None:  # before the executor handshake
             return
         counters = (
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", st.prefix_cache_queries),
-            ("prefix_cache_hits", "Prompt tokens served from the prefix cache", st.prefix_cache_hits),
+            ("prefix_cache_queries", "Prompt tokens of each request's first admission looked up in the prefix "
+             "cache, counted once the step that used the lookup ran (resumes after preemption or an executor "
+             "restart excluded)", st.prefix_cache_queries),
+            ("prefix_cache_hits", "Of prefix_cache_queries, prompt tokens whose KV was reused from the cache "
+             "(never KV that was recomputed)", st.prefix_cache_hits),
+            ("resumed_cached_tokens", "Tokens preempted requests got back from the prefix cache on resume "
+             "(kept out of the hit rate)", st.resumed_cached_tokens),
+            ("recomputed_tokens", "Positions computed again after a preemption or an executor restart",
+             st.recomputed_tokens),
             ("prompt_tokens", "Prompt tokens computed by the executor (cached ones excluded)", st.prefill_tokens),
             ("generation_tokens", "Output tokens computed", st.decode_tokens),
             ("num_preemptions", "Requests preempted for KV space", st.preemptions),

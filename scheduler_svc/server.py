@@ -150,6 +150,7 @@ def stats_to_proto(engine: Engine) -> gpb.Stats:
         preemptions=st.preemptions,
         recomputed_tokens=st.recomputed_tokens,
         prefix_holds=st.prefix_holds,
+        resumed_cached_tokens=st.resumed_cached_tokens,
         num_running=st.num_running,
         num_waiting=st.num_waiting,
         kv_blocks_total=st.kv_blocks_total,

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 
 import pytest
 
@@ -32,3 +33,27 @@ def test_unknown_format_is_refused(monkeypatch):
     monkeypatch.setenv("CHUNKWISE_LOG_FORMAT", "xml")
     with pytest.raises(ValueError, match="CHUNKWISE_LOG_FORMAT"):
         setup_logging()
+
+
+def test_an_executor_back_unusable_is_logged_once_then_summarised(caplog):
+    # Issue 17: _reconnect retries every 0.2 s, and each retry used to log the same ERROR.
+    from scheduler_svc.config import ServiceConfig
+    from scheduler_svc.engine import Engine
+    from scheduler_svc.executor_client import ExecutorInfo
+
+    class _Executor:
+        address = "127.0.0.1:1"
+
+    now = [0.0]
+    engine = Engine(ServiceConfig(), _Executor())
+    engine._unusable_log._clock = lambda: now[0]
+    too_small = ExecutorInfo(epoch="e", block_size=16, num_kv_blocks=2, model_path="m", architecture="a",
+                             vocab_size=100, max_model_len=512, eos_token_ids=(1,), dtype="float32",
+                             device="cpu", attention_backend="torch")
+    with caplog.at_level(logging.ERROR, logger="chunkwise.scheduler"):
+        for _ in range(5 * 60):  # a minute of retries, 5 a second
+            assert engine._adopt(too_small) is not None
+            now[0] += 0.2
+    lines = [r.getMessage() for r in caplog.records if "came back unusable" in r.getMessage()]
+    assert len(lines) == 2, lines  # the first, and one summary after 30 s
+    assert re.search(r"repeated 1[45]\d times in the last 30 s", lines[1]), lines[1]

@@ -6,6 +6,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GetEpochRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetEpochResponse(_message.Message):
+    __slots__ = ("executor_epoch",)
+    EXECUTOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    executor_epoch: str
+    def __init__(self, executor_epoch: _Optional[str] = ...) -> None: ...
+
 class InitializeRequest(_message.Message):
     __slots__ = ("block_size",)
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]

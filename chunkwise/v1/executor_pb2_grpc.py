@@ -44,6 +44,11 @@ class ExecutorStub:
                 request_serializer=chunkwise_dot_v1_dot_executor__pb2.StepPlan.SerializeToString,
                 response_deserializer=chunkwise_dot_v1_dot_executor__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.GetEpoch = channel.unary_unary(
+                '/chunkwise.v1.Executor/GetEpoch',
+                request_serializer=chunkwise_dot_v1_dot_executor__pb2.GetEpochRequest.SerializeToString,
+                response_deserializer=chunkwise_dot_v1_dot_executor__pb2.GetEpochResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -66,6 +71,15 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetEpoch(self, request, context):
+        """The current epoch, changing nothing ("" before the first Initialize). The scheduler asks it
+        before planning after an idle spell, so that a restart it slept through drops its prefix
+        index before any request is matched against KV that died with the old process.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +92,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.ExecuteStep,
                     request_deserializer=chunkwise_dot_v1_dot_executor__pb2.StepPlan.FromString,
                     response_serializer=chunkwise_dot_v1_dot_executor__pb2.StepResult.SerializeToString,
+            ),
+            'GetEpoch': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEpoch,
+                    request_deserializer=chunkwise_dot_v1_dot_executor__pb2.GetEpochRequest.FromString,
+                    response_serializer=chunkwise_dot_v1_dot_executor__pb2.GetEpochResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +153,33 @@ class Executor:
             '/chunkwise.v1.Executor/ExecuteStep',
             chunkwise_dot_v1_dot_executor__pb2.StepPlan.SerializeToString,
             chunkwise_dot_v1_dot_executor__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEpoch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chunkwise.v1.Executor/GetEpoch',
+            chunkwise_dot_v1_dot_executor__pb2.GetEpochRequest.SerializeToString,
+            chunkwise_dot_v1_dot_executor__pb2.GetEpochResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -37,8 +37,8 @@ class Request:
     # Positions [0, num_computed_tokens) of all_token_ids have KV, as reported by executed steps
     # (or served by the prefix cache). Advanced in Scheduler.update, never in schedule.
     num_computed_tokens: int = field(default=0, init=False)
-    # Prompt tokens served from the cache at the first admission. User-visible usage; a resume after
-    # preemption does not change it.
+    # Prompt tokens served from the cache at the first admission whose step ran (usage; a resume
+    # after preemption or an executor restart does not change it once set).
     num_cached_tokens: int = field(default=0, init=False)
     block_ids: list[int] = field(default_factory=list, init=False)
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
@@ -51,6 +51,10 @@ class Request:
     num_registered_blocks: int = field(default=0, init=False, repr=False)  # leading blocks already offered to the index
     num_computed_high_water: int = field(default=0, init=False, repr=False)  # most positions ever computed or cached
     ever_admitted: bool = field(default=False, init=False, repr=False)
+    # Admitted, and the step with its admission chunk has not been reported executed yet.
+    admission_pending: bool = field(default=False, init=False, repr=False)
+    # The first admission's step ran: num_cached_tokens is final, later admissions are resumes.
+    first_admission_committed: bool = field(default=False, init=False, repr=False)
     # What the executor holds for this request, so plans can be incremental.
     executor_has_state: bool = field(default=False, init=False, repr=False)
     num_tokens_sent: int = field(default=0, init=False, repr=False)

@@ -44,8 +44,14 @@ class SchedulerStats:
     """Counters since start (monotonic) and gauges of now. Token counts are in tokens."""
 
     steps: int = 0  # plans executed and reported back through update()
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission (incl. resumes)
-    prefix_cache_hits: int = 0  # of those, tokens served from the cache
+    # Prefix-cache accounting is committed in update(), once the step that used the lookup has run:
+    # a lookup whose step never ran (the executor died, or restarted while the scheduler was idle,
+    # so the plan was refused) counts nothing, since that KV was not reused.
+    prefix_cache_queries: int = 0  # prompt tokens of requests' first admissions, looked up in the cache
+    prefix_cache_hits: int = 0  # of those, tokens whose KV was reused from the cache
+    # Tokens a preempted request got back from the cache when it resumed (usually its own blocks):
+    # real reuse, but kept out of the hit rate, which would otherwise grow with preemptions.
+    resumed_cached_tokens: int = 0
     prefill_tokens: int = 0  # prompt positions computed by the executor (never counts cached ones)
     decode_tokens: int = 0  # output positions computed (fed back after sampling)
     recomputed_tokens: int = 0  # positions computed again after a preemption or executor restart
@@ -357,6 +363,7 @@ class Scheduler:
         req.num_registered_blocks = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
+        req.admission_pending = False  # its admission step never ran (restart): nothing was reused
         self._drop_executor_state(req)
 
     def _drop_executor_state(self, req: Request) -> None:
@@ -417,13 +424,9 @@ class Scheduler:
         req.block_ids = [block.block_id for block in cached_blocks] + pool.allocate(num_new_blocks)
         req.num_computed_tokens = start
         req.num_registered_blocks = len(cached_blocks)
-        req.num_computed_high_water = max(req.num_computed_high_water, start)
-        if self.config.enable_prefix_caching:
-            self._counters.prefix_cache_queries += num_tokens_known
-            self._counters.prefix_cache_hits += start
-        if not req.ever_admitted:
-            req.ever_admitted = True
-            req.num_cached_tokens = start
+        req.ever_admitted = True
+        # The hit is only a candidate until this step is reported executed (see _commit_admission).
+        req.admission_pending = True
         req.status = RequestStatus.RUNNING
         req.scheduled_in_step = step_id
         return ScheduledChunk(
@@ -492,6 +495,8 @@ class Scheduler:
         for req, chunk in in_flight.scheduled:
             if req.is_finished:
                 continue  # aborted or finished by the service while the step ran: ignore its results
+            if req.admission_pending:
+                self._commit_admission(req, chunk)
             self._count_computed(req, chunk)
             req.num_computed_tokens = chunk.end
             if caching:
@@ -519,6 +524,21 @@ class Scheduler:
         if any_finished:
             self._running = [req for req in self._running if not req.is_finished]
         return outputs
+
+    def _commit_admission(self, req: Request, chunk: ScheduledChunk) -> None:
+        """The step holding the request's admission chunk ran: the cached prefix it started from
+        (positions [0, chunk start)) was really reused, so count it now and not at admission."""
+        req.admission_pending = False
+        cached = chunk.num_computed_tokens
+        if not req.first_admission_committed:
+            req.first_admission_committed = True
+            req.num_cached_tokens = cached
+            if self.config.enable_prefix_caching:
+                self._counters.prefix_cache_queries += req.num_prompt_tokens
+                self._counters.prefix_cache_hits += cached
+        else:
+            self._counters.resumed_cached_tokens += cached
+        req.num_computed_high_water = max(req.num_computed_high_water, cached)
 
     def _count_computed(self, req: Request, chunk: ScheduledChunk) -> None:
         start, end = chunk.num_computed_tokens, chunk.end

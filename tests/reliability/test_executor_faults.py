@@ -5,8 +5,9 @@
   their greedy outputs equal an uninterrupted run (transformers').
 - Killed and not back: requests in flight and new ones wait at most --executor-wait-timeout, then
   fail with UNAVAILABLE (no client hangs); health says NOT_SERVING; once it is back, serving resumes.
-- Restarted while the scheduler was idle (it only notices on the next step): it resynchronises
-  and serves correctly. Back with a different KV capacity: the scheduler rebuilds its core; what
+- Restarted while the scheduler was idle: it asks the executor's epoch before planning again,
+  resynchronises, and serves correctly; the prefix that died with the old process is neither
+  reported as cached nor counted as a hit or a recompute (issue 17). Back with a different KV capacity: the scheduler rebuilds its core; what
   was queued then fails with UNAVAILABLE ("retry"), and the retry is served.
 """
 
@@ -110,6 +111,30 @@ def test_executor_gone_means_unavailable_within_the_bound(dep, reference):
         r = c.generate(prompt_token_ids=p_after, max_tokens=10, temperature=0)
         reference.check(p_after, 10, r.token_ids)
         assert_no_leak(wait_idle(c))
+
+
+def test_idle_restart_reports_no_stale_cache_hit(dep, reference):
+    (prompt,) = rand_prompts(104, 1, 64, 65)  # 64 tokens: four full blocks
+    with dep.client(timeout=120) as c:
+        first = c.generate(prompt_token_ids=prompt, max_tokens=4, temperature=0)
+        second = c.generate(prompt_token_ids=prompt, max_tokens=4, temperature=0)
+        assert second.usage.cached_prompt_tokens == 63  # all but the last token, which is recomputed
+        before = wait_idle(c)
+        Deployment.kill(dep.executor, signal.SIGKILL)
+        dep.start_executor()  # same port and token, new epoch; the scheduler slept through it
+        third = c.generate(prompt_token_ids=prompt, max_tokens=4, temperature=0)
+        assert third.usage.cached_prompt_tokens == 0
+        # Found out by asking the epoch before planning, not from a refused step.
+        assert any("restarted while idle" in line for line in dep.scheduler.log_lines)
+        assert third.token_ids == first.token_ids
+        reference.check(prompt, 4, third.token_ids)
+        after = wait_idle(c)
+        assert after["executor_restarts"] == before["executor_restarts"] + 1
+        assert after["prefix_cache_hits"] == before["prefix_cache_hits"]
+        assert after["prefix_cache_queries"] == before["prefix_cache_queries"] + 64
+        assert after["recomputed_tokens"] == before["recomputed_tokens"]
+        assert after["prefill_tokens"] == before["prefill_tokens"] + 64
+        assert_no_leak(after)
 
 
 def test_restart_while_idle_and_with_another_capacity(dep, reference):

@@ -215,7 +215,11 @@ def test_preemption_newest_first_then_resume_reuses_cached_blocks():
     assert expected_outputs_ok(a) and expected_outputs_ok(b)
     assert a.finish_reason == b.finish_reason == "length"
     stats = scheduler.stats()
-    assert stats.preemptions >= 1 and stats.prefix_cache_hits > 0 and stats.kv_blocks_used == 0
+    assert stats.preemptions >= 1 and stats.kv_blocks_used == 0
+    # The resume's reuse of its own blocks is counted apart, never as a prefix-cache hit: the two
+    # prompts share nothing, so the hit rate stays 0 however often they are preempted.
+    assert stats.prefix_cache_hits == 0 and stats.prefix_cache_queries == 24
+    assert stats.resumed_cached_tokens > 0
     # Recompute is counted, and less than recomputing everything thanks to the cache.
     assert 0 < stats.recomputed_tokens < 12 + 16
 
@@ -374,6 +378,46 @@ def test_executor_restart_resends_running_requests_in_full_and_recomputes_them()
     stats = scheduler.stats()
     assert stats.executor_restarts == 1 and stats.recomputed_tokens > 0
     check_invariants(scheduler, executor)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_hit_whose_step_never_ran_is_not_counted_or_reported(chunked):
+    # Issue 17: an executor that restarted while the scheduler was idle. The scheduler still
+    # matches the new request against the old prefix index, but the step is refused (new epoch),
+    # so that match must leave no trace: not in the request's usage, nor in hits or recomputes.
+    scheduler, executor = make(chunked=chunked, budget=256)
+    shared = tokens(64, 3)
+    first = Request("first", shared, max_tokens=2)
+    scheduler.add_request(first)
+    run_until_done(scheduler, executor)
+    before = scheduler.stats()
+    assert before.prefix_cache_queries == 64 and before.prefix_cache_hits == 0
+    second = Request("second", shared, max_tokens=2)
+    scheduler.add_request(second)
+    refused = scheduler.schedule()
+    assert refused.chunks[0].num_computed_tokens == 63  # matched against the (stale) index
+    executor.restart()
+    scheduler.handle_executor_restart()
+    run_until_done(scheduler, executor)
+    after = scheduler.stats()
+    assert second.num_cached_tokens == 0 and expected_outputs_ok(second)
+    assert after.prefix_cache_hits == 0 and after.prefix_cache_queries == 128
+    assert after.recomputed_tokens == 0 and after.resumed_cached_tokens == 0
+    assert after.prefill_tokens - before.prefill_tokens == 64
+
+
+def test_a_hit_is_counted_once_the_step_that_used_it_ran():
+    scheduler, executor = make()
+    shared = tokens(64, 4)
+    scheduler.add_request(Request("first", shared, max_tokens=2))
+    run_until_done(scheduler, executor)
+    second = Request("second", shared + [7], max_tokens=2)
+    scheduler.add_request(second)
+    plan = scheduler.schedule()
+    assert scheduler.stats().prefix_cache_hits == 0  # scheduled, not executed yet
+    outputs = scheduler.update(plan, executor.execute(plan))
+    assert scheduler.stats().prefix_cache_hits == 64 and second.num_cached_tokens == 64
+    assert [o.num_cached_tokens for o in outputs if o.req_id == "second"] == [64]
 
 
 def test_reset_prefix_cache():

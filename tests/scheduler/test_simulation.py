@@ -128,3 +128,11 @@ def test_tight_pool_preempts_and_still_accounts_for_every_token(chunked, caching
     assert stats.prefill_tokens + stats.decode_tokens == executor.total_computed
     assert 0 < stats.recomputed_tokens < executor.total_computed
     assert stats.kv_blocks_used == 0
+    # Preemptions do not move the hit rate: each request is one query of its prompt, and its hits
+    # are exactly the cached tokens its usage reports (resumes are counted apart).
+    if caching:
+        assert stats.prefix_cache_queries == sum(r.num_prompt_tokens for r in requests)
+        assert stats.prefix_cache_hits == sum(r.num_cached_tokens for r in requests)
+        assert stats.resumed_cached_tokens > 0
+    else:
+        assert stats.prefix_cache_queries == stats.prefix_cache_hits == stats.resumed_cached_tokens == 0
