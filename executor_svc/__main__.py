@@ -62,7 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"executor_svc: error: {e}", file=sys.stderr)
         return 2
-    runner = ModelRunner(config)
+    try:
+        runner = ModelRunner(config)
+    except (ValueError, FileNotFoundError) as e:
+        # A model refused at load (unsupported architecture, a sliding window shorter than the
+        # context, --max-model-len beyond the model's, missing tensors) is the user's input, not
+        # a crash: one line and the flag-error exit code, like the checks above.
+        print(f"executor_svc: error: {e}", file=sys.stderr)
+        return 2
     server, port = build_server(runner, config.host, config.port, config.token, ns.tls_cert_file, ns.tls_key_file)
     server.start()
     info = runner.info

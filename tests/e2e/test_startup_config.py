@@ -72,3 +72,35 @@ def test_wrong_token_is_refused_at_handshake(small_executor):
     r = run_scheduler(["--executor", proc.address, "--max-model-len", "128"], {"CHUNKWISE_EXECUTOR_TOKEN": "wrong"})
     assert r.returncode == 1
     assert "UNAUTHENTICATED" in r.stderr
+
+
+def run_executor(model: str, extra: list[str] = (), timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CHUNKWISE_EXECUTOR_TOKEN": "t0ken"}
+    return subprocess.run([sys.executable, "-m", "executor_svc", "--port", "0", "--model", model, *extra],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def _gpt2_dir(tmp_path) -> str:
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("gpt2", "architecture 'gpt2'"),
+    ("sliding-window", "sliding-window attention"),
+    ("max-model-len", "exceeds the model's max_position_embeddings"),
+])
+def test_models_refused_at_load_get_one_line_and_exit_2(tmp_path, tiny_checkpoint, case, needle):
+    # Issue 17: these used to end in a Python traceback with exit code 1.
+    if case == "gpt2":
+        r = run_executor(_gpt2_dir(tmp_path))
+    elif case == "sliding-window":
+        r = run_executor(str(tiny_checkpoint("mistral", sliding_window=64)))
+    else:
+        r = run_executor(str(tiny_checkpoint("llama")), ["--max-model-len", "100000"])
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("executor_svc: error:")]
+    assert len(errors) == 1 and needle in errors[0], r.stderr
