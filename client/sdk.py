@@ -23,6 +23,7 @@ is the caller's to handle.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
@@ -111,27 +112,48 @@ def build_request(
     given = sum(x is not None for x in (prompt, prompt_token_ids, messages))
     if given != 1:
         raise ValueError("pass exactly one of prompt, prompt_token_ids, messages")
-    req = gpb.GenerateRequest(request_id=request_id, cache_salt=cache_salt)
+    with _field("request_id"):
+        req = gpb.GenerateRequest(request_id=request_id)
+    with _field("cache_salt"):
+        req.cache_salt = cache_salt
     if prompt is not None:
-        req.text = prompt
+        with _field("prompt"):
+            req.text = prompt
     elif prompt_token_ids is not None:
         req.token_ids.SetInParent()  # an empty list is still a token-ids prompt (and refused as empty)
-        req.token_ids.ids.extend(prompt_token_ids)
+        with _field("prompt_token_ids"):
+            req.token_ids.ids.extend(prompt_token_ids)
     else:
         req.messages.SetInParent()
         for m in messages:
-            req.messages.messages.add(role=m["role"], content=m["content"])
+            with _field("messages"):
+                req.messages.messages.add(role=m["role"], content=m["content"])
     s = req.sampling
     for name, value in (
         ("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
         ("top_k", top_k), ("min_p", min_p), ("seed", seed), ("logprobs", logprobs),
     ):
         if value is not None:
-            setattr(s, name, value)
-    s.stop.extend(stop)
-    s.stop_token_ids.extend(stop_token_ids)
-    s.ignore_eos = ignore_eos
+            with _field(name):
+                setattr(s, name, value)
+    with _field("stop"):
+        s.stop.extend(stop)
+    with _field("stop_token_ids"):
+        s.stop_token_ids.extend(stop_token_ids)
+    with _field("ignore_eos"):
+        s.ignore_eos = ignore_eos
     return req
+
+
+@contextlib.contextmanager
+def _field(name: str):
+    """A value the wire type cannot hold (max_tokens=-1 in a uint32, a str for an int) is the
+    caller's bad input: INVALID_ARGUMENT naming the field, as the server would answer, rather
+    than protobuf's own ValueError/TypeError."""
+    try:
+        yield
+    except (ValueError, TypeError, KeyError) as e:
+        raise ChunkwiseError(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {e}") from None
 
 
 def _chunk(msg: gpb.GenerateResponse) -> Chunk:

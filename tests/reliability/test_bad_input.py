@@ -150,3 +150,20 @@ def test_text_prompts_still_work(shared):
 def test_build_request_sends_empty_token_ids_as_a_prompt():
     # The SDK marks an empty id list as a token-ids prompt, so the server can say which is empty.
     assert build_request(prompt_token_ids=[]).WhichOneof("prompt") == "token_ids"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"top_k": 2**40}, "top_k"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"prompt_token_ids": [1, -2, 3]}, "prompt_token_ids"),
+    ({"stop_token_ids": [-5]}, "stop_token_ids"),
+    ({"logprobs": -1}, "logprobs"),
+])
+def test_sdk_refuses_values_the_wire_cannot_hold_as_invalid_argument(kwargs, field):
+    # Issue 17: these raised protobuf's ValueError/TypeError from the SDK, not ChunkwiseError.
+    args = {"prompt_token_ids": [1, 2, 3]} | kwargs
+    with pytest.raises(ChunkwiseError) as info:
+        build_request(**args)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.message.startswith(f"{field}:"), info.value.message
