@@ -319,14 +319,29 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float) -> dict:
     }
 
 
+# Stats fields that only grow (GetStats' counters, and the vLLM Prometheus counters mapped onto
+# these names): a run's share is after - before. Every other field is a gauge (num_running,
+# kv_blocks_total, block_size, ...) or a label (executor_epoch, dtype): reported as read after.
+COUNTER_FIELDS = frozenset({
+    "steps", "prefix_cache_queries", "prefix_cache_hits", "resumed_cached_tokens", "prefill_tokens",
+    "decode_tokens", "preemptions", "recomputed_tokens", "prefix_holds", "executor_restarts",
+    "prompt_tokens", "generation_tokens",
+})
+
+
 def stats_delta(before: dict | None, after: dict | None) -> dict | None:
-    """Counters of the server during the run: numeric fields of after minus before."""
+    """The server's stats for the run: counters as after minus before, gauges as read after."""
     if before is None or after is None:
         return None
     out = {}
     for k, v in after.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(before.get(k), (int, float)):
+        if k in COUNTER_FIELDS and isinstance(v, (int, float)) and isinstance(before.get(k), (int, float)):
             out[k] = v - before[k]
+        elif k == "requests_finished" and isinstance(v, dict):
+            was = before.get(k) or {}
+            out[k] = {reason: n - was.get(reason, 0) for reason, n in v.items()}
+        else:
+            out[k] = v
     queries, hits = out.get("prefix_cache_queries"), out.get("prefix_cache_hits")
     if queries is not None and hits is not None:
         out["prefix_cache_hit_rate"] = hits / queries if queries else 0.0

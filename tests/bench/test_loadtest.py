@@ -170,9 +170,16 @@ def test_stream_timer_counts_gaps_between_token_chunks():
 
 
 def test_stats_delta_and_prometheus_parsing():
-    d = lt.stats_delta({"steps": 10, "prefix_cache_queries": 100, "prefix_cache_hits": 10, "executor_epoch": "a"},
-                       {"steps": 25, "prefix_cache_queries": 300, "prefix_cache_hits": 60, "executor_epoch": "a"})
-    assert d == {"steps": 15, "prefix_cache_queries": 200, "prefix_cache_hits": 50, "prefix_cache_hit_rate": 0.25}
+    d = lt.stats_delta(
+        {"steps": 10, "prefix_cache_queries": 100, "prefix_cache_hits": 10, "executor_epoch": "a",
+         "kv_blocks_total": 64, "block_size": 16, "num_running": 3, "requests_finished": {"stop": 2, "length": 1}},
+        {"steps": 25, "prefix_cache_queries": 300, "prefix_cache_hits": 60, "executor_epoch": "a",
+         "kv_blocks_total": 64, "block_size": 16, "num_running": 0, "requests_finished": {"stop": 5, "length": 1}},
+    )
+    # Counters as deltas; gauges (issue 17: kv_blocks_total and block_size came out as 0) as read.
+    assert d == {"steps": 15, "prefix_cache_queries": 200, "prefix_cache_hits": 50, "prefix_cache_hit_rate": 0.25,
+                 "executor_epoch": "a", "kv_blocks_total": 64, "block_size": 16, "num_running": 0,
+                 "requests_finished": {"stop": 3, "length": 0}}
     assert lt.stats_delta(None, {}) is None
     text = (
         "# HELP x y\n# TYPE vllm:prefix_cache_hits_total counter\n"
