@@ -15,6 +15,14 @@ unexpected happened: an unexpected status, an inconsistent output, or a leaked b
 With `--kill-executor-every S` (local stack only) the executor is killed with SIGKILL every S
 seconds and restarted on the same port; requests in flight must ride it out (the scheduler waits
 --executor-wait-timeout, 120 s here, and recomputes them), so no error is expected from it.
+With `--restart-scheduler-at S` the scheduler gets SIGTERM once, S seconds in, and is started again
+on the same port: the requests it fails while it drains and is down (UNAVAILABLE) are expected
+errors of that fault and counted apart.
+
+The report gives, for each fault, the p50/p99 end-to-end latency of requests served in the minute
+before and the minute after it, how often the waiting queue was seen non-empty, and, with
+`--replay`, a replay of every deterministic request's longest output against the quiet stack once
+the faults are over (the uninterrupted reference): mismatches there are unexpected.
 
 Deterministic requests (temperature 0, or a seed) are expected to give the same tokens whenever
 they are repeated, whatever ran next to them; that is the oracle here, since there is no
@@ -64,9 +72,18 @@ class Tally:
     deterministic_repeats: int = 0
     tokens: int = 0
     executor_kills: int = 0
+    scheduler_restarts: int = 0
+    # Errors while the scheduler drained and restarted (expected of that fault), by status.
+    scheduler_restart_errors: Counter = field(default_factory=Counter)
+    finished_at: list = field(default_factory=list)  # (monotonic end, e2e seconds) of served requests
+    faults: list = field(default_factory=list)  # (monotonic time, what)
+    queue_samples: list = field(default_factory=list)  # num_waiting seen every few seconds
+    replayed: int = 0
+    replay_mismatches: int = 0
+    started: float = 0.0
 
     def unexpected_total(self) -> int:
-        return sum(self.unexpected.values()) + self.inconsistent
+        return sum(self.unexpected.values()) + self.inconsistent + self.replay_mismatches
 
 
 def plan_request(rng: random.Random, max_tokens_cap: int, text: bool) -> dict:
@@ -127,6 +144,8 @@ class Soak:
         self.client_kw = client_kw
         self.tally = Tally()
         self.outputs: dict[str, list[int]] = {}  # deterministic request -> its longest output
+        self.requests: dict[str, dict] = {}  # deterministic key -> the request's SDK arguments
+        self.scheduler_down = False  # set by the chaos task from SIGTERM until the new one serves
 
     def _unexpected(self, what: str, detail) -> None:
         self.tally.unexpected[what] += 1
@@ -141,6 +160,7 @@ class Soak:
         timeout = req["deadline"] if action == "deadline" else self.args.request_timeout
         t.sent += 1
         tokens, finish, chunks = [], None, 0
+        began = time.monotonic()
         try:
             async for chunk in client.stream(timeout=timeout, **kw):
                 tokens += chunk.token_ids
@@ -155,7 +175,10 @@ class Soak:
         except ChunkwiseError as e:
             expected = (action == "invalid" and e.code == grpc.StatusCode.INVALID_ARGUMENT) or (
                 action == "deadline" and e.code == grpc.StatusCode.DEADLINE_EXCEEDED)
-            if expected:
+            if e.code == grpc.StatusCode.UNAVAILABLE and self.scheduler_down:
+                t.scheduler_restart_errors[e.code.name] += 1
+                await asyncio.sleep(0.2)  # do not spin on a closed port
+            elif expected:
                 t.expected_errors[e.code.name] += 1
             else:
                 self._unexpected(e.code.name, f"{e.message} (action {action}, {kw})")
@@ -169,8 +192,11 @@ class Soak:
             t.cancelled["abort"] += 1
         elif finish in ("stop", "length"):
             t.served[finish] += 1
+            now = time.monotonic()
+            t.finished_at.append((now, now - began))
             key = deterministic_key(req["kw"])
             if key is not None and action in ("read", "deadline"):
+                self.requests.setdefault(key, req["kw"])
                 seen = self.outputs.setdefault(key, tokens)
                 if seen is not tokens:
                     t.deterministic_repeats += 1
@@ -200,14 +226,68 @@ class Soak:
                   f"cancelled {sum(t.cancelled.values())}, expected errors {sum(t.expected_errors.values())}, "
                   f"unexpected {t.unexpected_total()}, {t.tokens / elapsed:.1f} tok/s", flush=True)
 
-    async def run(self, seconds: float, chaos=None) -> None:
-        started = time.monotonic()
+    async def sample_queue(self, stop_at: float) -> None:
+        """Read num_waiting every few seconds (the soak is meant to keep the queue non-empty)."""
+        async with AsyncClient(self.address, **self.client_kw) as client:
+            while time.monotonic() < stop_at:
+                await asyncio.sleep(5.0)
+                if self.scheduler_down:
+                    continue
+                try:
+                    self.tally.queue_samples.append((await client.stats())["num_waiting"])
+                except ChunkwiseError:
+                    pass  # the scheduler is restarting
+
+    async def run(self, seconds: float, chaos=()) -> None:
+        started = self.tally.started = time.monotonic()
         stop_at = started + seconds
         tasks = [self.worker(w, stop_at) for w in range(self.args.concurrency)]
         tasks.append(self.progress(started, stop_at))
-        if chaos is not None:
-            tasks.append(chaos(stop_at))
+        tasks.append(self.sample_queue(stop_at))
+        tasks.extend(fault(stop_at) for fault in chaos)
         await asyncio.gather(*tasks)
+
+    async def replay(self, limit: int) -> None:
+        """Send each deterministic request once more on the quiet stack, for as many tokens as its
+        longest output during the soak, and compare: the uninterrupted reference."""
+        items = sorted(self.requests.items())[:limit]
+        sem = asyncio.Semaphore(8)
+
+        async def one(client: AsyncClient, key: str, kw: dict) -> None:
+            seen = self.outputs[key]
+            kw = {k: v for k, v in kw.items() if k not in ("stop", "logprobs")} | {"max_tokens": len(seen)}
+            async with sem:
+                result = await client.generate(timeout=self.args.request_timeout, **kw)
+            self.tally.replayed += 1
+            if result.token_ids != seen:
+                self.tally.replay_mismatches += 1
+                if len(self.tally.unexpected_examples) < 10:
+                    self.tally.unexpected_examples.append(f"replay mismatch: {kw}")
+
+        async with AsyncClient(self.address, **self.client_kw) as client:
+            await asyncio.gather(*(one(client, key, kw) for key, kw in items))
+
+
+def latency_around_faults(tally: Tally, window: float = 60.0) -> list[dict]:
+    """p50/p99 end-to-end latency of requests served in the `window` seconds before and after
+    each fault (each side cut at the neighbouring fault)."""
+    def pct(values: list[float], q: float) -> float | None:
+        if not values:
+            return None
+        values = sorted(values)
+        return round(values[min(len(values) - 1, int(q * len(values)))] * 1000, 1)
+
+    out = []
+    times = [t for t, _ in tally.faults]
+    for i, (at, what) in enumerate(tally.faults):
+        lo = max(at - window, times[i - 1] if i else -math.inf)
+        hi = min(at + window, times[i + 1] if i + 1 < len(times) else math.inf)
+        before = [e2e for end, e2e in tally.finished_at if lo <= end < at]
+        after = [e2e for end, e2e in tally.finished_at if at <= end < hi]
+        out.append({"fault": what, "at_s": round(at - tally.started, 1),
+                    "before": {"n": len(before), "p50_ms": pct(before, 0.5), "p99_ms": pct(before, 0.99)},
+                    "after": {"n": len(after), "p50_ms": pct(after, 0.5), "p99_ms": pct(after, 0.99)}})
+    return out
 
 
 def free_port() -> int:
@@ -243,18 +323,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout", type=float, default=300.0, help="deadline of ordinary requests (s)")
     p.add_argument("--kill-executor-every", type=float, default=0.0,
                    help="SIGKILL and restart the executor every this many seconds (local stack only)")
+    p.add_argument("--restart-scheduler-at", type=float, default=0.0,
+                   help="SIGTERM the scheduler this many seconds in and start it again on the same port "
+                        "(local stack only)")
+    p.add_argument("--replay", type=int, default=0, metavar="N",
+                   help="after the soak, replay up to N deterministic requests on the quiet stack and "
+                        "compare with their outputs during the soak (default 0: off)")
     p.add_argument("--token-ids", action="store_true", help="send token-id prompts (a server without tokenizer)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--tls-ca-file", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
     args = p.parse_args(argv)
-    if args.kill_executor_every and args.address:
-        p.error("--kill-executor-every needs the local stack (no --address)")
+    if (args.kill_executor_every or args.restart_scheduler_at) and args.address:
+        p.error("--kill-executor-every and --restart-scheduler-at need the local stack (no --address)")
     client_kw = {"api_key": args.api_key, "tls_ca_file": args.tls_ca_file}
+    settle = min(30.0, 0.3 * args.minutes * 60)  # no fault this close to the end: let it recover
 
     executor = scheduler = None
-    chaos = None
+    chaos = []
+    state: dict = {}
     if args.address is None:
         from chunkwise.model_source import resolve_model
         from client.serve import start_executor, start_scheduler
@@ -265,23 +353,48 @@ def main(argv: list[str] | None = None) -> int:
         exec_args = ["--port", str(exec_port), *args.executor_arg]
         print(f"starting a local stack on {model_dir} ...", flush=True)
         executor = start_executor(model_dir, token, exec_args)
-        scheduler = start_scheduler(executor.address, token,
-                                    ["--executor-wait-timeout", "120", "--stats-interval", "0", *scheduler_extra])
+        sched_args = ["--executor-wait-timeout", "120", "--stats-interval", "0", *scheduler_extra]
+        sched_port = free_port()  # fixed, so that a restarted scheduler comes back where clients look
+        scheduler = start_scheduler(executor.address, token, sched_args, port=sched_port)
         address = scheduler.address
-        state = {"executor": executor}
+        state.update(executor=executor, scheduler=scheduler)
 
         if args.kill_executor_every:
-            async def chaos(stop_at: float) -> None:
+            async def kill_executor(stop_at: float) -> None:
                 while True:
                     await asyncio.sleep(args.kill_executor_every)
-                    if time.monotonic() + 30 > stop_at:
+                    if time.monotonic() + settle > stop_at:
                         return  # leave time for the last restart to settle
                     proc = state["executor"]
+                    soak.tally.faults.append((time.monotonic(), "executor SIGKILL"))
                     proc.popen.send_signal(signal.SIGKILL)
                     proc.popen.wait()
                     soak.tally.executor_kills += 1
                     print(f"chaos: killed the executor (pid {proc.popen.pid}); restarting it", flush=True)
                     state["executor"] = await asyncio.to_thread(start_executor, model_dir, token, exec_args)
+
+            chaos.append(kill_executor)
+
+        if args.restart_scheduler_at:
+            async def restart_scheduler(stop_at: float) -> None:
+                await asyncio.sleep(args.restart_scheduler_at)
+                if time.monotonic() + settle > stop_at:
+                    return
+                proc = state["scheduler"]
+                soak.scheduler_down = True
+                soak.tally.faults.append((time.monotonic(), "scheduler SIGTERM + restart"))
+                print(f"chaos: SIGTERM to the scheduler (pid {proc.popen.pid}); restarting it", flush=True)
+                proc.popen.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(proc.popen.wait)
+                state["scheduler"] = await asyncio.to_thread(
+                    start_scheduler, executor.address, token, sched_args, port=sched_port)
+                soak.tally.scheduler_restarts += 1
+                # The clients' channels find the new process within their 1 s reconnect backoff;
+                # calls failing UNAVAILABLE until then are still this fault's.
+                await asyncio.sleep(3.0)
+                soak.scheduler_down = False
+
+            chaos.append(restart_scheduler)
     else:
         address = args.address
 
@@ -292,10 +405,15 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(soak.run(args.minutes * 60, chaos))
         elapsed = time.monotonic() - started
         st = wait_idle(address, client_kw)
+        if args.replay:
+            print(f"replaying up to {args.replay} deterministic requests on the quiet stack ...", flush=True)
+            asyncio.run(soak.replay(args.replay))
+            st = wait_idle(address, client_kw)
     finally:
         if scheduler is not None:
-            scheduler.popen.send_signal(signal.SIGTERM)
-            scheduler.popen.wait(30)
+            proc = state["scheduler"]
+            proc.popen.send_signal(signal.SIGTERM)
+            proc.popen.wait(30)
         if executor is not None:
             proc = state["executor"]
             proc.popen.send_signal(signal.SIGTERM)
@@ -316,7 +434,15 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_received": t.tokens,
         "tokens_per_second": round(t.tokens / elapsed, 1),
         "executor_kills": t.executor_kills,
-        "executor_restarts_seen": st["executor_restarts"],
+        "executor_restarts_seen": st["executor_restarts"],  # by the scheduler running at the end
+        "scheduler_restarts": t.scheduler_restarts,
+        "scheduler_restart_errors": dict(t.scheduler_restart_errors),
+        "latency_around_faults": latency_around_faults(t),
+        "queue_nonempty_fraction": round(sum(1 for n in t.queue_samples if n > 0) / len(t.queue_samples), 3)
+        if t.queue_samples else None,
+        "queue_waiting_median": sorted(t.queue_samples)[len(t.queue_samples) // 2] if t.queue_samples else None,
+        "replayed": t.replayed,
+        "replay_mismatches": t.replay_mismatches,
         "preemptions": st["preemptions"],
         "prefix_cache_hit_rate": round(st["prefix_cache_hits"] / st["prefix_cache_queries"], 3)
         if st["prefix_cache_queries"] else 0.0,
