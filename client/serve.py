@@ -58,15 +58,46 @@ def _pump(proc: subprocess.Popen, name: str, ready: str, found: dict, lines: lis
     found["event"].set()  # EOF: the process ended
 
 
-def launch(name: str, cmd: list[str], ready: str, env: dict, timeout: float, echo=None) -> Process:
+def _parent_death_signal():
+    """A preexec_fn that makes the child get SIGTERM when the process that started it dies, even
+    by SIGKILL (Linux prctl PR_SET_PDEATHSIG), so a killed launcher leaves no orphans; None where
+    that is not available. Only for children started from a thread that lives as long as the
+    launcher: the signal fires when the *thread* that forked the child exits."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up now, not in the forked child
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the launcher died before the line above took effect
+            os._exit(1)
+
+    return preexec
+
+
+def launch(name: str, cmd: list[str], ready: str, env: dict, timeout: float, echo=None,
+           die_with_parent: bool = False) -> Process:
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         start_new_session=True,  # Ctrl-C in the terminal goes to us; we stop the children
+        preexec_fn=_parent_death_signal() if die_with_parent else None,
     )
     found: dict = {"event": threading.Event()}
     lines: list[str] = []
     threading.Thread(target=_pump, args=(proc, name, ready, found, lines, echo), daemon=True).start()
-    if not found["event"].wait(timeout) or "address" not in found:
+    try:
+        became_ready = found["event"].wait(timeout)
+    except BaseException:  # e.g. the launcher was told to stop while this child was starting
+        proc.kill()
+        proc.wait()
+        raise
+    if not became_ready or "address" not in found:
         proc.kill()
         proc.wait()
         tail = "\n".join(lines[-30:])
@@ -118,37 +149,50 @@ class Stack:
         self.stop()
 
 
-def start_executor(model_dir: str | Path, token: str, args: list[str] = (), *, env=None, timeout=300.0, echo=None) -> Process:
+def start_executor(model_dir: str | Path, token: str, args: list[str] = (), *, env=None, timeout=300.0, echo=None,
+                   die_with_parent: bool = False) -> Process:
     env = dict(os.environ if env is None else env)
     env["CHUNKWISE_EXECUTOR_TOKEN"] = token  # through the environment: argv is visible to every user
     cmd = [sys.executable, "-m", "executor_svc", "--model", str(model_dir), "--host", "127.0.0.1",
            "--port", "0", *args]
-    proc = launch("executor", cmd, READY_EXECUTOR, env, timeout, echo)
-    wait_healthy(proc.address, "chunkwise.v1.Executor", timeout)
+    proc = launch("executor", cmd, READY_EXECUTOR, env, timeout, echo, die_with_parent)
+    try:
+        wait_healthy(proc.address, "chunkwise.v1.Executor", timeout)
+    except BaseException:
+        proc.popen.kill()
+        proc.popen.wait()
+        raise
     return proc
 
 
 def start_scheduler(executor_address: str, token: str, args: list[str] = (), *, host="127.0.0.1", port=0,
-                    env=None, timeout=300.0, echo=None) -> Process:
+                    env=None, timeout=300.0, echo=None, die_with_parent: bool = False) -> Process:
     env = dict(os.environ if env is None else env)
     env["CHUNKWISE_EXECUTOR_TOKEN"] = token
     cmd = [sys.executable, "-m", "scheduler_svc", "--executor", executor_address,
            "--host", host, "--port", str(port), *args]
-    proc = launch("scheduler", cmd, READY_SCHEDULER, env, timeout, echo)
-    wait_healthy(proc.address, "chunkwise.v1.Generation", timeout)
+    proc = launch("scheduler", cmd, READY_SCHEDULER, env, timeout, echo, die_with_parent)
+    try:
+        wait_healthy(proc.address, "chunkwise.v1.Generation", timeout)
+    except BaseException:
+        proc.popen.kill()
+        proc.popen.wait()
+        raise
     return proc
 
 
 def start_stack(model: str | None = None, *, executor_args: list[str] = (), scheduler_args: list[str] = (),
-                host: str = "127.0.0.1", port: int = 0, timeout: float = 300.0, echo=None, env=None) -> Stack:
+                host: str = "127.0.0.1", port: int = 0, timeout: float = 300.0, echo=None, env=None,
+                die_with_parent: bool = False) -> Stack:
     from chunkwise.model_source import resolve_model
 
     model_dir = resolve_model(model)  # once, here, so the two children never convert concurrently
     token = secrets.token_urlsafe(24)
-    executor = start_executor(model_dir, token, executor_args, env=env, timeout=timeout, echo=echo)
+    executor = start_executor(model_dir, token, executor_args, env=env, timeout=timeout, echo=echo,
+                              die_with_parent=die_with_parent)
     try:
         scheduler = start_scheduler(executor.address, token, scheduler_args, host=host, port=port,
-                                    env=env, timeout=timeout, echo=echo)
+                                    env=env, timeout=timeout, echo=echo, die_with_parent=die_with_parent)
     except BaseException:
         executor.popen.kill()
         executor.popen.wait()
@@ -178,6 +222,10 @@ def run_demo(address: str) -> None:
               f"{st['kv_blocks_used']}/{st['kv_blocks_cached']}/{st['kv_blocks_free']}")
 
 
+def _stop_on_signal(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -194,16 +242,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="Prometheus /metrics port of the scheduler (0: any free port; -1: off)")
     p.add_argument("--quiet", action="store_true", help="do not echo the services' logs")
     ns = p.parse_args(argv)
+    # `docker stop`, systemd and a closed terminal send SIGTERM or SIGHUP, not Ctrl-C: stop the
+    # children the same way (the finally below), never leave them running as orphans.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop_on_signal)
     echo = None if ns.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     print("starting chunkwise (model: %s) ..." % (ns.model or "embedded default"), flush=True)
     if ns.metrics_port >= 0 and "--metrics-port" not in extra:
         extra += ["--metrics-port", str(ns.metrics_port)]
     try:
         stack = start_stack(ns.model, executor_args=ns.executor_arg, scheduler_args=extra,
-                            host=ns.host, port=ns.port, echo=echo)
+                            host=ns.host, port=ns.port, echo=echo, die_with_parent=True)
     except (StackError, ValueError, FileNotFoundError) as e:
         print(f"serve: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # stopped while starting: start_stack has stopped what it started
+        return 0
     print(f"chunkwise is serving on {stack.address} (gRPC chunkwise.v1.Generation)", flush=True)
     for line in stack.scheduler.log_lines:
         if "chunkwise metrics on" in line:
