@@ -1,5 +1,5 @@
 # The two commands of the README, and a few conveniences.
-.PHONY: demo serve test test-quick proto bench
+.PHONY: demo serve test test-quick lint proto bench
 
 demo:          ## set up, start the stack on the embedded default model, send demo requests, stop
 	scripts/setup.sh
@@ -9,10 +9,14 @@ serve:         ## set up and serve on 127.0.0.1:50051 until Ctrl-C
 	scripts/setup.sh
 	.venv/bin/python -m client.serve
 
-test:          ## set up with test dependencies and run the whole suite
+test:          ## set up with test dependencies, lint, and run the whole suite
 	scripts/setup.sh test
 	scripts/install-test-tools.sh
+	.venv/bin/python -m ruff check .
 	.venv/bin/python -m pytest -q
+
+lint:          ## ruff (the rules are in pyproject.toml)
+	.venv/bin/python -m ruff check .
 
 test-quick:    ## the suite without the SmolLM2 end-to-end tests
 	.venv/bin/python -m pytest -q -m "not smollm"

@@ -44,7 +44,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Sequence
 
 SCHEMA = "chunkwise.loadtest/1"
 COMPARE_SCHEMA = "chunkwise.loadtest.compare/1"

@@ -1,7 +1,6 @@
 """The committed generated code in chunkwise/v1 must match what the .proto files generate."""
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest

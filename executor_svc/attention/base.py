@@ -53,7 +53,7 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
 
-    @classmethod
+    @classmethod  # noqa: B027 (a hook: every block size is fine unless a backend says otherwise)
     def check_block_size(cls, block_size: int) -> None:
         """Raise ValueError if this backend cannot use a paged cache with this block size."""
 

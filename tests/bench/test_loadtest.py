@@ -325,7 +325,7 @@ def test_openai_backend_streams_chunked_sse():
 
         async def handle(reader, writer):
             head = await reader.readuntil(b"\r\n\r\n")
-            length = int([l for l in head.decode().split("\r\n") if l.lower().startswith("content-length")][0]
+            length = int([h for h in head.decode().split("\r\n") if h.lower().startswith("content-length")][0]
                          .split(":")[1])
             seen["body"] = json.loads(await reader.readexactly(length))
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")

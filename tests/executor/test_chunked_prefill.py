@@ -89,7 +89,7 @@ def test_recomputed_positions_below_kv_write_start(setup):
     shared = random_tokens(32, seed=20)
     warm = d.add("warm", shared + random_tokens(5, seed=21))
     d.step({"warm": None})
-    b = d.add("b", shared + random_tokens(30, seed=22), cached_blocks=warm.blocks[:4], start=20)
+    d.add("b", shared + random_tokens(30, seed=22), cached_blocks=warm.blocks[:4], start=20)
     d.step({"b": 20})  # positions 20..39: 20..31 recomputed, 32..39 written
     assert runner.last_layout.slot_mapping.numel() == 8
     d.step({"b": None})
