@@ -18,8 +18,8 @@ test:          ## set up with test dependencies, lint, and run the whole suite
 lint:          ## ruff (the rules are in pyproject.toml)
 	.venv/bin/python -m ruff check .
 
-test-quick:    ## the suite without the SmolLM2 end-to-end tests
-	.venv/bin/python -m pytest -q -m "not smollm"
+test-quick:    ## the unit tier: no service processes, no SmolLM2
+	.venv/bin/python -m pytest -q -m "not smollm and not e2e"
 
 proto:         ## regenerate chunkwise/v1 from proto/
 	.venv/bin/python scripts/gen_proto.py

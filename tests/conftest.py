@@ -6,21 +6,18 @@ Fixtures:
 - `tiny_llama_path`, `tiny_qwen2_path`: the default tiny Llama (GQA, untied) and Qwen2 (q/k/v
   biases, tied embeddings) checkpoints.
 
-Tests marked `cuda` are skipped with a reason where torch sees no CUDA device.
+Tests marked `cuda` are skipped with a reason where torch sees no CUDA device. Tests under
+tests/e2e and tests/reliability get the `e2e` marker (`make test-quick` leaves them out).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-
-# `from model_fixtures import make_tiny_checkpoint` from any test directory.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -36,7 +33,15 @@ def pytest_configure(config: pytest.Config) -> None:
         pass
 
 
+_E2E_DIRS = ("e2e", "reliability")  # tests that start service processes
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).resolve().parent
+    for item in items:
+        parts = Path(item.path).resolve().relative_to(here).parts
+        if parts and parts[0] in _E2E_DIRS:
+            item.add_marker(pytest.mark.e2e)
     if not any(item.get_closest_marker("cuda") for item in items):
         return
     import torch

@@ -9,33 +9,24 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "e2e"))
-
-from e2e_helpers import Reference  # noqa: E402
-from model_fixtures import make_tiny_checkpoint  # noqa: E402
-from reliability_helpers import Deployment, add_byte_tokenizer  # noqa: E402
+from e2e_helpers import Reference
+from model_fixtures import make_tiny_checkpoint
+from reliability_helpers import Deployment, add_byte_tokenizer
 
 # 48 blocks of 16 tokens: enough for one 256-token request and a few more, so a burst of
 # requests contends for KV (waiting, preemption) rather than all running at once.
 SHARED_KV_BLOCKS = 48
-
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("reliability-tiny-llama"), "llama")
     return add_byte_tokenizer(path)
 
-
 @pytest.fixture(scope="session")
 def reference(model_dir):
     return Reference(model_dir)
-
 
 @pytest.fixture(scope="session")
 def shared(model_dir):
