@@ -25,8 +25,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-READY_EXECUTOR = "chunkwise executor serving on"
-READY_SCHEDULER = "chunkwise scheduler serving on"
+from chunkwise.limits import READY_EXECUTOR, READY_SCHEDULER
 
 
 class StackError(RuntimeError):

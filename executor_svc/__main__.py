@@ -12,6 +12,7 @@ import sys
 import threading
 
 from chunkwise.cliutil import add_flag
+from chunkwise.limits import READY_EXECUTOR
 from chunkwise.logging_setup import setup_logging
 from chunkwise.model_source import resolve_model
 from executor_svc.config import ExecutorConfig
@@ -19,8 +20,6 @@ from executor_svc.engine import ModelRunner
 from executor_svc.server import build_server
 
 log = logging.getLogger("chunkwise.executor")
-
-READY_LINE = "chunkwise executor serving on"
 
 
 def parse_args(argv: list[str] | None) -> tuple[ExecutorConfig, argparse.Namespace]:
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         info.attention_backend,
     )
     # Launchers and tests read this line to learn the port when --port 0 was given.
-    print(f"{READY_LINE} {config.host}:{port}", flush=True)
+    print(f"{READY_EXECUTOR} {config.host}:{port}", flush=True)
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from concurrent import futures
 
@@ -17,13 +16,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from chunkwise import codec
 from chunkwise.auth import TokenAuthInterceptor, server_credentials
+from chunkwise.limits import EXECUTOR_MAX_MESSAGE_BYTES
 from chunkwise.v1 import executor_pb2 as pb
 from chunkwise.v1 import executor_pb2_grpc as pb_grpc
 from executor_svc.engine import ModelRunner, PlanError
 
 log = logging.getLogger("chunkwise.executor")
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_BLOCK_SIZE = 1024
 
 
@@ -79,12 +78,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                     f"plan is for executor epoch {request.executor_epoch!r}, current is {self._epoch!r}",
                 )
             plan = codec.plan_from_proto(request)
-            start = time.perf_counter()
             try:
-                result = self._runner.execute(plan)
+                result = self._runner.execute(plan)  # times itself: StepResult.execute_seconds
             except PlanError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
-            result.execute_seconds = time.perf_counter() - start
             return codec.result_to_proto(result)
 
 
@@ -117,8 +114,8 @@ def build_server(
         futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="executor-rpc"),
         interceptors=[TokenAuthInterceptor([token])],
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", EXECUTOR_MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", EXECUTOR_MAX_MESSAGE_BYTES),
         ],
     )
     pb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(runner), server)

@@ -8,17 +8,14 @@ import logging
 import signal
 import sys
 
-import grpc
-
+from chunkwise.limits import READY_SCHEDULER
 from chunkwise.logging_setup import setup_logging
 from scheduler_svc.config import ServiceConfig
 from scheduler_svc.engine import Engine
-from scheduler_svc.executor_client import ExecutorClient
+from scheduler_svc.executor_client import ExecutorClient, ExecutorError
 from scheduler_svc.server import build_server
 
 log = logging.getLogger("chunkwise.scheduler")
-
-READY_LINE = "chunkwise scheduler serving on"
 
 
 def _warn_if_exposed(config: ServiceConfig) -> None:
@@ -44,8 +41,8 @@ async def serve(config: ServiceConfig) -> int:
     except ValueError as e:  # configuration that only the handshake could check
         print(f"scheduler_svc: error: {e}", file=sys.stderr)
         return 2
-    except grpc.aio.AioRpcError as e:
-        print(f"scheduler_svc: error: executor {config.executor}: {e.code().name}: {e.details()}", file=sys.stderr)
+    except ExecutorError as e:
+        print(f"scheduler_svc: error: executor {config.executor}: {e}", file=sys.stderr)
         return 1
     server, port = await build_server(
         engine, config.host, config.port, config.api_keys, config.tls_cert_file, config.tls_key_file
@@ -54,7 +51,7 @@ async def serve(config: ServiceConfig) -> int:
     if config.metrics_port is not None:
         metrics_port = engine.metrics.serve(config.metrics_host, config.metrics_port)
         print(f"chunkwise metrics on http://{config.metrics_host}:{metrics_port}/metrics", flush=True)
-    print(f"{READY_LINE} {config.host}:{port}", flush=True)
+    print(f"{READY_SCHEDULER} {config.host}:{port}", flush=True)
 
     stop = asyncio.Event()
 

@@ -10,31 +10,38 @@ the event loop thread, so the core needs no locks.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import grpc
-
 from chunkwise.logging_setup import RepeatedLog
-from chunkwise.plan import SampledToken, StepResult
+from chunkwise.plan import SampledToken
 from scheduler_svc.config import ServiceConfig
 from scheduler_svc.core import Request, RequestOutput, Scheduler, SchedulerConfig
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.executor_client import ExecutorClient, ExecutorInfo
+from scheduler_svc.executor_client import ExecutorClient, ExecutorError, ExecutorInfo, ExecutorRejected
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.validation import InvalidRequest, ParsedRequest
 
 log = logging.getLogger("chunkwise.scheduler")
 
 
-class EngineError(Exception):
-    """A request-level failure carrying the gRPC status the client should see."""
+class ErrorKind(enum.Enum):
+    """What went wrong for a request, in the engine's terms; server.py maps each to a status."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    UNAVAILABLE = "unavailable"  # shutting down, or the executor is gone: retry later
+    RESOURCE_EXHAUSTED = "resource_exhausted"  # the waiting queue is full: retry later
+    INTERNAL = "internal"  # our bug, or the executor refused a step we built
+
+
+class EngineError(Exception):
+    """A request-level failure: its kind and a message for the client."""
+
+    def __init__(self, kind: ErrorKind, message: str):
         super().__init__(message)
-        self.code = code
+        self.kind = kind
         self.message = message
 
 
@@ -79,8 +86,6 @@ class Engine:
         # Called with False while the engine cannot serve (executor lost, shutting down) and with
         # True when it can again; the server points it at the health service.
         self.on_serving_change: Callable[[bool], None] | None = None
-        self.step_seconds_total = 0.0  # wall time of executed steps, as the scheduler saw them
-        self.executor_seconds_total = 0.0  # of which the executor reported computing
         self._unusable_log = RepeatedLog(log)
         self.metrics = Metrics(lambda: self.scheduler.stats() if self.scheduler is not None else None)
 
@@ -118,14 +123,23 @@ class Engine:
         return core
 
     def _load_tokenizer(self):
-        path = self.config.tokenizer or self.info.model_path
+        # The one place the scheduler reads the executor's filesystem: without --tokenizer it
+        # assumes the model directory the handshake names is readable here too (one host, or a
+        # shared volume). Say which source it used, so a split deployment sees why text fails.
+        if self.config.tokenizer:
+            path, source = self.config.tokenizer, "--tokenizer"
+        else:
+            path, source = self.info.model_path, "the executor's model directory (no --tokenizer given)"
         try:
             from chunkwise.model_source import load_tokenizer
 
-            return load_tokenizer(path)
+            tokenizer = load_tokenizer(path)
         except Exception as e:  # token-id prompts still work without one
-            log.warning("no tokenizer from %s (%s): text prompts will be refused", path, e)
+            log.warning("no tokenizer from %s, %s (%s): text prompts will be refused; pass --tokenizer DIR "
+                        "if the executor's files are not on this host", path, source, e)
             return None
+        log.info("tokenizer from %s, %s", path, source)
+        return tokenizer
 
     @property
     def max_model_len(self) -> int:
@@ -149,7 +163,7 @@ class Engine:
                 break
             await asyncio.sleep(0.05)
         for rid in list(self._streams):
-            self._fail(rid, EngineError(grpc.StatusCode.UNAVAILABLE, "server is shutting down"))
+            self._fail(rid, EngineError(ErrorKind.UNAVAILABLE, "server is shutting down"))
         for task in (self._task, self._status_task):
             if task is not None:
                 task.cancel()
@@ -163,15 +177,15 @@ class Engine:
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, parsed: ParsedRequest) -> RequestStream:
         if self._closing:
-            raise EngineError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            raise EngineError(ErrorKind.UNAVAILABLE, "server is shutting down")
         if (
             self._executor_lost_at is not None
             and time.monotonic() - self._executor_lost_at > self.config.executor_wait_timeout
         ):
-            raise EngineError(grpc.StatusCode.UNAVAILABLE, "executor unavailable")
+            raise EngineError(ErrorKind.UNAVAILABLE, "executor unavailable")
         if self.scheduler.num_waiting >= self.config.max_waiting_requests:
             raise EngineError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                ErrorKind.RESOURCE_EXHAUSTED,
                 f"{self.scheduler.num_waiting} requests are waiting (--max-waiting-requests); retry later",
             )
         if parsed.request_id in self._streams:
@@ -235,7 +249,7 @@ class Engine:
                 log.exception("step loop failed; failing every request in flight and resynchronising")
                 for rid in list(self._streams):
                     try:
-                        self._fail(rid, EngineError(grpc.StatusCode.INTERNAL, "internal error in the scheduler"))
+                        self._fail(rid, EngineError(ErrorKind.INTERNAL, "internal error in the scheduler"))
                     except Exception:  # the core may be inconsistent; the reset below clears it
                         self._streams.pop(rid, None)
                 # The executor may hold state of requests we just dropped: a new epoch clears it.
@@ -261,8 +275,8 @@ class Engine:
             plan = self.scheduler.schedule()
             if plan.is_empty:
                 # Nothing fits this step (e.g. every waiting request needs blocks nobody frees
-                # until a stream is released); wait for a change rather than spin.
-                self.scheduler.update(plan, StepResult(plan.step_id))
+                # until a stream is released); wait for a change rather than spin. An empty plan is
+                # not in flight, so there is nothing to update.
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=0.05)
@@ -272,12 +286,10 @@ class Engine:
             started = time.perf_counter()
             try:
                 result = await self.executor.execute(plan, self.info.epoch)
-            except (grpc.aio.AioRpcError, RuntimeError) as e:
+            except ExecutorError as e:
                 await self._recover(plan, e)
                 continue
             wall = time.perf_counter() - started
-            self.step_seconds_total += wall
-            self.executor_seconds_total += result.execute_seconds
             self.metrics.observe_step(wall, result.execute_seconds)
             self._dispatch(self.scheduler.update(plan, result))
             # Yield once per step so handlers can enqueue and streams can flush.
@@ -290,9 +302,9 @@ class Engine:
         counted only when their step ran (Scheduler.update)."""
         try:
             epoch = await self.executor.epoch()
-        except grpc.aio.AioRpcError as e:
+        except ExecutorError as e:
             log.warning("executor at %s did not answer after an idle spell (%s); resynchronising",
-                        self.executor.address, e.code().name)
+                        self.executor.address, e.code)
             return False
         if epoch != self.info.epoch:
             log.warning("executor at %s restarted while idle (epoch %s, ours %s); resynchronising",
@@ -316,7 +328,7 @@ class Engine:
                     text = stream.detokenizer.push(out.new_token_ids, final=out.finished)
                 except Exception:  # a tokenizer failing on odd ids must cost this request only
                     log.exception("detokenizing failed", extra={"request_id": out.req_id})
-                    self._fail(out.req_id, EngineError(grpc.StatusCode.INTERNAL, "detokenization failed"))
+                    self._fail(out.req_id, EngineError(ErrorKind.INTERNAL, "detokenization failed"))
                     continue
                 if stream.detokenizer.stopped and not out.finished:
                     self.scheduler.finish_request(out.req_id, "stop")
@@ -354,7 +366,7 @@ class Engine:
             stream.finished = True
             stream.queue.put_nowait(StreamEvent(error=error))
 
-    async def _recover(self, plan, error: Exception) -> None:
+    async def _recover(self, plan, error: ExecutorError) -> None:
         """The executor failed a step: resynchronise from scratch, since its KV is suspect.
 
         Every running request is preempted for recompute (it keeps its output so far, and its
@@ -362,16 +374,13 @@ class Engine:
         nothing of the old state can be half-applied. On the next steps the resumed requests are
         sent to the executor in full and their KV is computed again.
         """
-        code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
-        detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
-        log.warning("step %d failed (%s: %s); resynchronising with the executor", plan.step_id, code, detail)
+        log.warning("step %d failed (%s); resynchronising with the executor", plan.step_id, error)
         self.scheduler.handle_executor_restart()
-        if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                        grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED):
+        if isinstance(error, ExecutorRejected):
             # The executor refused the plan itself: retrying it would fail again, so the
             # requests in it fail (INTERNAL: this is our bug, not the client's).
             for chunk in plan.chunks:
-                self._fail(chunk.req_id, EngineError(grpc.StatusCode.INTERNAL, f"executor rejected the step: {detail}"))
+                self._fail(chunk.req_id, EngineError(ErrorKind.INTERNAL, f"executor rejected the step: {error.detail}"))
         await self._reconnect()
 
     async def _reconnect(self) -> None:
@@ -391,12 +400,12 @@ class Engine:
                 problem = self._adopt(info)
                 if problem is None:
                     break
-            except grpc.aio.AioRpcError as e:
-                problem = f"{e.code().name}: {e.details()}"
+            except ExecutorError as e:
+                problem = str(e)
             now = time.monotonic()
             if now - lost_at > self.config.executor_wait_timeout:
                 for rid in list(self._streams):
-                    self._fail(rid, EngineError(grpc.StatusCode.UNAVAILABLE, f"executor unavailable ({problem})"))
+                    self._fail(rid, EngineError(ErrorKind.UNAVAILABLE, f"executor unavailable ({problem})"))
             if now >= next_log:
                 log.warning("still waiting for the executor at %s (%s)", self.executor.address, problem)
                 next_log = now + 10.0
@@ -434,7 +443,7 @@ class Engine:
                 "restarting the scheduler core", info.num_kv_blocks, info.vocab_size, old.num_kv_blocks, old.vocab_size,
             )
             for rid in list(self._streams):
-                self._fail(rid, EngineError(grpc.StatusCode.UNAVAILABLE, "executor changed; retry the request"))
+                self._fail(rid, EngineError(ErrorKind.UNAVAILABLE, "executor changed; retry the request"))
             self.scheduler = Scheduler(core, info.num_kv_blocks)
         if info.epoch != old.epoch:
             self.executor_restarts += 1

@@ -12,23 +12,54 @@ import grpc
 
 from chunkwise import codec
 from chunkwise.auth import bearer_metadata, channel_credentials
+from chunkwise.limits import EXECUTOR_MAX_MESSAGE_BYTES
 from chunkwise.plan import StepPlan, StepResult
 from chunkwise.v1 import executor_pb2 as pb
 from chunkwise.v1 import executor_pb2_grpc as pb_grpc
 
 log = logging.getLogger("chunkwise.scheduler.executor")
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 # gRPC's default reconnect backoff grows to 120 s; after an executor restart the scheduler would
 # then learn of it long after it is back. Keep reconnect attempts at most a second apart.
 _CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", EXECUTOR_MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", EXECUTOR_MAX_MESSAGE_BYTES),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+
+
+class ExecutorError(Exception):
+    """A call to the executor failed; `code` is the gRPC status name, for logs."""
+
+    def __init__(self, code: str, detail: str):
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+class ExecutorUnavailable(ExecutorError):
+    """Unreachable, too slow (the step timeout), restarted (the plan's epoch is gone) or the call
+    was cancelled: its state is suspect, and a new handshake is the way back."""
+
+
+class ExecutorRejected(ExecutorError):
+    """The executor answered and refused the call itself (an invalid plan, a bad token): sending
+    the same again fails again."""
+
+
+# Status codes that mean "lost or not there", as opposed to "refused what was sent".
+_UNAVAILABLE_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.CANCELLED,
+})
+
+
+def _executor_error(e: grpc.aio.AioRpcError) -> ExecutorError:
+    kind = ExecutorUnavailable if e.code() in _UNAVAILABLE_CODES else ExecutorRejected
+    return kind(e.code().name, e.details() or "")
 
 
 @dataclass(frozen=True)
@@ -50,6 +81,9 @@ class ExecutorInfo:
 
 
 class ExecutorClient:
+    """Every method raises ExecutorUnavailable or ExecutorRejected, never a gRPC error: gRPC
+    stays in this module and in the servers."""
+
     def __init__(self, address: str, token: str, *, tls_ca_file: str | None = None,
                  tls_server_name: str | None = None, step_timeout: float | None = None):
         """`tls_ca_file` set: TLS, trusting that CA. `step_timeout`: the longest a step may take
@@ -82,7 +116,7 @@ class ExecutorClient:
             except grpc.aio.AioRpcError as e:
                 retriable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
                 if not retriable or time.monotonic() + delay > deadline:
-                    raise
+                    raise _executor_error(e) from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
         m = resp.model
@@ -102,18 +136,24 @@ class ExecutorClient:
         )
 
     async def epoch(self, timeout: float = 2.0) -> str:
-        """The executor's current epoch (AioRpcError if it cannot be reached in `timeout`)."""
-        resp = await self._stub.GetEpoch(pb.GetEpochRequest(), metadata=self._metadata, timeout=timeout)
+        """The executor's current epoch."""
+        try:
+            resp = await self._stub.GetEpoch(pb.GetEpochRequest(), metadata=self._metadata, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise _executor_error(e) from None
         return resp.executor_epoch
 
     async def execute(self, plan: StepPlan, epoch: str, timeout: float | None = None) -> StepResult:
         msg = codec.plan_to_proto(plan, epoch)
-        resp = await self._stub.ExecuteStep(
-            msg, metadata=self._metadata, timeout=timeout if timeout is not None else self.step_timeout
-        )
+        try:
+            resp = await self._stub.ExecuteStep(
+                msg, metadata=self._metadata, timeout=timeout if timeout is not None else self.step_timeout
+            )
+        except grpc.aio.AioRpcError as e:
+            raise _executor_error(e) from None
         result = codec.result_from_proto(resp)
         if result.step_id != plan.step_id:
-            raise RuntimeError(f"executor answered step {result.step_id} for plan {plan.step_id}")
+            raise ExecutorRejected("INTERNAL", f"executor answered step {result.step_id} for plan {plan.step_id}")
         return result
 
     async def close(self) -> None:

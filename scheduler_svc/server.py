@@ -20,10 +20,17 @@ from grpc_reflection.v1alpha import reflection
 from chunkwise.auth import AsyncTokenAuthInterceptor, server_credentials
 from chunkwise.v1 import generation_pb2 as gpb
 from chunkwise.v1 import generation_pb2_grpc as gpb_grpc
-from scheduler_svc.engine import Engine, EngineError, StreamEvent
+from scheduler_svc.engine import Engine, EngineError, ErrorKind, StreamEvent
 from scheduler_svc.validation import InvalidRequest, parse_generate_request
 
 log = logging.getLogger("chunkwise.scheduler.api")
+
+# The engine's error kinds as the client sees them (the only place they meet gRPC).
+_STATUS = {
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 SERVICE_NAME = "chunkwise.v1.Generation"
@@ -89,7 +96,7 @@ class GenerationServicer(gpb_grpc.GenerationServicer):
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineError as e:
-            await context.abort(e.code, e.message)
+            await context.abort(_STATUS[e.kind], e.message)
         except Exception:  # a bug (or a tokenizer failing on odd text): say so, keep serving
             log.exception("could not admit a request")
             await context.abort(grpc.StatusCode.INTERNAL, "internal error while admitting the request")
@@ -99,7 +106,7 @@ class GenerationServicer(gpb_grpc.GenerationServicer):
             while True:
                 ev = await stream.queue.get()
                 if ev.error is not None:
-                    await context.abort(ev.error.code, ev.error.message)
+                    await context.abort(_STATUS[ev.error.kind], ev.error.message)
                 yield _event_to_proto(rid, ev)
                 if ev.finish_reason is not None:
                     return
