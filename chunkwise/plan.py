@@ -27,11 +27,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this are treated as greedy (as in vLLM)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: the number of `b`-sized blocks that hold `a` items."""
+    return -(-a // b)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """What the executor needs to pick the next token. Stop conditions live with the scheduler."""
 
-    temperature: float = 1.0  # 0.0 means greedy
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE (0.0, say) means greedy
     top_p: float = 1.0  # (0, 1]; 1.0 disables
     top_k: int = -1  # -1 (or 0) disables
     min_p: float = 0.0  # [0, 1]; 0.0 disables
@@ -40,7 +48,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 GREEDY = SamplingParams(temperature=0.0)

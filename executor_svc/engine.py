@@ -37,6 +37,7 @@ from chunkwise.plan import (
     ScheduledChunk,
     StepPlan,
     StepResult,
+    cdiv,
     validate_chunk_geometry,
 )
 
@@ -295,7 +296,7 @@ class ModelRunner:
             ids.extend(st.token_ids[c.num_computed_tokens : c.end])
             q_lens.append(c.num_tokens)
             starts.append(starts[-1] + c.num_tokens)
-            nb = -(-c.end // bs)
+            nb = cdiv(c.end, bs)
             num_blocks.append(nb)
             tables.append(st.block_tensor()[:nb])
             if c.sample:
@@ -423,7 +424,7 @@ class ModelRunner:
             if c.sample and c.end != known:
                 raise PlanError(f"{where}: sample is set but the chunk ends at {c.end}, not at the last known "
                                 f"token ({known})")
-            needed = -(-c.end // bs)
+            needed = cdiv(c.end, bs)
             if view.num_blocks < needed:
                 raise PlanError(f"{where}: block table has {view.num_blocks} blocks, positions [0, {c.end}) "
                                 f"need {needed} (block size {bs})")

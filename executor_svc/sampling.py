@@ -25,7 +25,6 @@ import torch
 
 from chunkwise.plan import SamplingParams
 
-GREEDY_TEMPERATURE = 1e-5  # temperatures below this are treated as greedy (as in vLLM)
 _MASK64 = (1 << 64) - 1
 
 
@@ -50,10 +49,6 @@ def mix_seed(seed: int, position: int) -> int:
 
 def new_random_seed() -> int:
     return secrets.randbits(63)
-
-
-def is_greedy(p: SamplingParams) -> bool:
-    return p.temperature < GREEDY_TEMPERATURE
 
 
 # ------------------------------------------------------------------------------------- filters
@@ -120,8 +115,8 @@ def sample(
         return []
     device = logits.device
     tokens = torch.empty(n, dtype=torch.int64, device=device)
-    greedy_rows = [i for i, p in enumerate(params) if is_greedy(p)]
-    random_rows = [i for i, p in enumerate(params) if not is_greedy(p)]
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if greedy_rows:
         idx = torch.tensor(greedy_rows, device=device)
         tokens[idx] = logits.index_select(0, idx).argmax(dim=-1)

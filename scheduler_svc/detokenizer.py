@@ -51,7 +51,3 @@ class IncrementalDetokenizer:
         out = self._text[self._emitted : end]
         self._emitted = end
         return out
-
-    def flush(self) -> str:
-        """The held-back tail, once the request has finished for another reason."""
-        return self._release(final=True)

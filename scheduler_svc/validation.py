@@ -44,7 +44,6 @@ class ParsedRequest:
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     cache_salt: str | None
-    wants_text: bool  # the prompt came as text or messages, so the client expects text back
     arrival_time: float
 
 
@@ -171,6 +170,5 @@ def parse_generate_request(
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         cache_salt=msg.cache_salt or None,
-        wants_text=kind != "token_ids" or tokenizer is not None,
         arrival_time=time.monotonic(),
     )

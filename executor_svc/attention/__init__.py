@@ -17,11 +17,6 @@ from .torch_backend import TorchAttentionBackend
 
 logger = logging.getLogger("chunkwise.executor.attention")
 
-BACKENDS: dict[str, type[AttentionBackend]] = {
-    TorchAttentionBackend.name: TorchAttentionBackend,
-    FlashAttnBackend.name: FlashAttnBackend,
-}
-
 
 def select_backend(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int,
                    block_size: int | None) -> tuple[type[AttentionBackend], str]:
@@ -43,7 +38,6 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype, hea
 
 __all__ = [
     "AttentionBackend",
-    "BACKENDS",
     "BatchLayout",
     "FLASH_ATTN_PAGE_MULTIPLE",
     "FlashAttnBackend",

@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from chunkwise.plan import cdiv
+
 logger = logging.getLogger("chunkwise.executor.attention")
 
 # Rows and keys are padded to at least this many, so that no dynamic size is 0 or 1.
@@ -45,7 +47,7 @@ def decode_slots(block_table: torch.Tensor, lens: list[int], block_size: int) ->
     device = block_table.device
     b = len(lens)
     width = max(max(lens), MIN_PADDED)
-    nb = -(-width // block_size)
+    nb = cdiv(width, block_size)
     if block_table.shape[1] < nb:  # the padded key range may need one more (masked) block column
         block_table = torch.nn.functional.pad(block_table, (0, nb - block_table.shape[1]))
     pos = torch.arange(width, device=device)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from chunkwise.plan import cdiv
+
 
 def _is_int(value: object) -> bool:
     # bool is an int subclass; `block_size=True` is a mistake, not the number 1.
@@ -57,7 +59,7 @@ class SchedulerConfig:
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """KV blocks needed to hold `num_tokens` positions."""
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def validate_capacity(self, num_kv_blocks: int) -> None:
         """Raise ValueError unless the pool can hold one request of max_model_len tokens.

@@ -299,7 +299,7 @@ class Scheduler:
         return max(0, end - start)
 
     def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return self.config.blocks_for_tokens(num_tokens)
 
     def _schedule_running(self, req: Request, budget: int, step_id: int) -> ScheduledChunk | None:
         """A chunk for a running request, preempting newer unscheduled requests if KV is short.
