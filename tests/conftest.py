@@ -33,7 +33,7 @@ def pytest_configure(config: pytest.Config) -> None:
         pass
 
 
-_E2E_DIRS = ("e2e", "reliability")  # tests that start service processes
+_E2E_DIRS = ("e2e", "reliability")  # tests that start service processes (others elsewhere carry the marker themselves)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -277,6 +277,7 @@ def run_probe(svc: dict, address: str) -> subprocess.CompletedProcess:
     return subprocess.run(test, capture_output=True, text=True, timeout=30)
 
 
+@pytest.mark.e2e  # starts service processes
 def test_entry_commands_run_as_plain_processes(tiny_llama_path, tmp_path):
     from client import Client
     from client.serve import READY_EXECUTOR, READY_SCHEDULER, launch, wait_healthy

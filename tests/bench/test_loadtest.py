@@ -362,6 +362,7 @@ def test_openai_backend_streams_chunked_sse():
 # ---- against real stacks on the tiny checkpoint -------------------------------------------------
 
 
+@pytest.mark.e2e  # starts service processes
 def test_cli_against_a_running_stack(tiny_llama_path, tmp_path):
     from client.serve import start_stack
 
@@ -385,6 +386,7 @@ def test_cli_against_a_running_stack(tiny_llama_path, tmp_path):
         stack.stop()
 
 
+@pytest.mark.e2e  # starts service processes
 def test_compare_two_configs_on_real_stacks(tiny_llama_path, tmp_path):
     out = tmp_path / "cmp.json"
     rc = lt.main([
