@@ -73,6 +73,7 @@ class Tally:
     tokens: int = 0
     executor_kills: int = 0
     scheduler_restarts: int = 0
+    scheduler_down_s: list[float] = field(default_factory=list)  # SIGTERM -> the new one's ready line
     # Errors while the scheduler drained and restarted (expected of that fault), by status.
     scheduler_restart_errors: Counter = field(default_factory=Counter)
     finished_at: list = field(default_factory=list)  # (monotonic end, e2e seconds) of served requests
@@ -382,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                     return
                 proc = state["scheduler"]
                 soak.scheduler_down = True
+                down_at = time.monotonic()
                 soak.tally.faults.append((time.monotonic(), "scheduler SIGTERM + restart"))
                 print(f"chaos: SIGTERM to the scheduler (pid {proc.popen.pid}); restarting it", flush=True)
                 proc.popen.send_signal(signal.SIGTERM)
@@ -389,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                 state["scheduler"] = await asyncio.to_thread(
                     start_scheduler, executor.address, token, sched_args, port=sched_port)
                 soak.tally.scheduler_restarts += 1
+                soak.tally.scheduler_down_s.append(round(time.monotonic() - down_at, 2))
                 # The clients' channels find the new process within their 1 s reconnect backoff;
                 # calls failing UNAVAILABLE until then are still this fault's.
                 await asyncio.sleep(3.0)
@@ -434,8 +437,10 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_received": t.tokens,
         "tokens_per_second": round(t.tokens / elapsed, 1),
         "executor_kills": t.executor_kills,
-        "executor_restarts_seen": st["executor_restarts"],  # by the scheduler running at the end
+        "executor_restarts_seen": st["executor_restarts"],  # by the scheduler running at the end only
         "scheduler_restarts": t.scheduler_restarts,
+        # The old one drains for up to --shutdown-grace, refusing new requests, then the new one starts.
+        "scheduler_down_s": t.scheduler_down_s,
         "scheduler_restart_errors": dict(t.scheduler_restart_errors),
         "latency_around_faults": latency_around_faults(t),
         "queue_nonempty_fraction": round(sum(1 for n in t.queue_samples if n > 0) / len(t.queue_samples), 3)

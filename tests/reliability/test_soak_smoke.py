@@ -30,6 +30,7 @@ def test_soak_restarts_the_scheduler_and_reports_latency_around_it(model_dir, tm
     report = json.loads(out.read_text())
     assert rc == 0, report
     assert report["scheduler_restarts"] == 1 and report["blocks_leaked"] == 0
+    assert len(report["scheduler_down_s"]) == 1 and 0 < report["scheduler_down_s"][0] < 20
     (fault,) = report["latency_around_faults"]
     assert fault["fault"].startswith("scheduler SIGTERM") and 5 < fault["at_s"] < 9
     assert fault["before"]["n"] > 0 and fault["after"]["n"] > 0 and fault["after"]["p99_ms"] is not None
