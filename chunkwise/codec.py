@@ -8,6 +8,7 @@ the state a plan is checked against.
 from __future__ import annotations
 
 from chunkwise.plan import (
+    ExecutorInfo,
     NewRequestData,
     RunningRequestDelta,
     SampledToken,
@@ -17,6 +18,47 @@ from chunkwise.plan import (
     StepResult,
 )
 from chunkwise.v1 import executor_pb2 as pb
+
+
+# ---- the handshake (Initialize) -------------------------------------------------------------
+
+
+def model_info_to_proto(info) -> pb.ModelInfo:
+    """The executor's side: `info` is its ModelRunner.info (executor_svc.engine.ModelInfo)."""
+    return pb.ModelInfo(
+        model_path=str(info.model_path),
+        architecture=info.architecture,
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        eos_token_ids=list(info.eos_token_ids),
+        dtype=str(info.dtype),
+        device=str(info.device),
+        attention_backend=info.attention_backend,
+        num_parameters=info.num_parameters,
+        decode_attention=info.decode_attention,
+    )
+
+
+def executor_info_from_proto(resp: pb.InitializeResponse) -> ExecutorInfo:
+    """The scheduler's side of the same message."""
+    m = resp.model
+    return ExecutorInfo(
+        epoch=resp.executor_epoch,
+        block_size=resp.block_size,
+        num_kv_blocks=resp.num_kv_blocks,
+        model_path=m.model_path,
+        architecture=m.architecture,
+        vocab_size=m.vocab_size,
+        max_model_len=m.max_model_len,
+        eos_token_ids=tuple(m.eos_token_ids),
+        dtype=m.dtype,
+        device=m.device,
+        attention_backend=m.attention_backend,
+        decode_attention=m.decode_attention,
+    )
+
+
+# ---- step plans and results -------------------------------------------------------------------
 
 
 def sampling_to_proto(sp: SamplingParams) -> pb.ExecSamplingParams:

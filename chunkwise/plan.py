@@ -136,3 +136,21 @@ def validate_chunk_geometry(chunk: ScheduledChunk) -> None:
             f"chunk for {chunk.req_id!r}: kv_write_start {chunk.kv_write_start} outside "
             f"[{chunk.num_computed_tokens}, {chunk.end}]"
         )
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    """What the executor reports in its handshake (Initialize): the scheduler sizes itself by it."""
+
+    epoch: str
+    block_size: int
+    num_kv_blocks: int
+    model_path: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    device: str
+    attention_backend: str
+    decode_attention: str = ""

@@ -57,7 +57,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             log.info("initialized: block_size=%d num_kv_blocks=%d epoch=%s", bs, num_blocks, self._epoch)
             return pb.InitializeResponse(
                 executor_epoch=self._epoch,
-                model=model_info_to_proto(self._runner.info),
+                model=codec.model_info_to_proto(self._runner.info),
                 block_size=bs,
                 num_kv_blocks=num_blocks,
             )
@@ -83,21 +83,6 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             except PlanError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
             return codec.result_to_proto(result)
-
-
-def model_info_to_proto(info) -> pb.ModelInfo:
-    return pb.ModelInfo(
-        model_path=str(info.model_path),
-        architecture=info.architecture,
-        vocab_size=info.vocab_size,
-        max_model_len=info.max_model_len,
-        eos_token_ids=list(info.eos_token_ids),
-        dtype=str(info.dtype),
-        device=str(info.device),
-        attention_backend=info.attention_backend,
-        num_parameters=info.num_parameters,
-        decode_attention=info.decode_attention,
-    )
 
 
 def build_server(

@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
 import grpc
 
 from chunkwise import codec
 from chunkwise.auth import bearer_metadata, channel_credentials
 from chunkwise.limits import EXECUTOR_MAX_MESSAGE_BYTES
-from chunkwise.plan import StepPlan, StepResult
+from chunkwise.plan import ExecutorInfo, StepPlan, StepResult
 from chunkwise.v1 import executor_pb2 as pb
 from chunkwise.v1 import executor_pb2_grpc as pb_grpc
 
@@ -22,7 +21,7 @@ log = logging.getLogger("chunkwise.scheduler.executor")
 
 # gRPC's default reconnect backoff grows to 120 s; after an executor restart the scheduler would
 # then learn of it long after it is back. Keep reconnect attempts at most a second apart.
-_CHANNEL_OPTIONS = [
+_CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
     ("grpc.max_receive_message_length", EXECUTOR_MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", EXECUTOR_MAX_MESSAGE_BYTES),
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -60,24 +59,6 @@ _UNAVAILABLE_CODES = frozenset({
 def _executor_error(e: grpc.aio.AioRpcError) -> ExecutorError:
     kind = ExecutorUnavailable if e.code() in _UNAVAILABLE_CODES else ExecutorRejected
     return kind(e.code().name, e.details() or "")
-
-
-@dataclass(frozen=True)
-class ExecutorInfo:
-    """What the handshake told us."""
-
-    epoch: str
-    block_size: int
-    num_kv_blocks: int
-    model_path: str
-    architecture: str
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    dtype: str
-    device: str
-    attention_backend: str
-    decode_attention: str = ""
 
 
 class ExecutorClient:
@@ -119,21 +100,7 @@ class ExecutorClient:
                     raise _executor_error(e) from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
-        m = resp.model
-        return ExecutorInfo(
-            epoch=resp.executor_epoch,
-            block_size=resp.block_size,
-            num_kv_blocks=resp.num_kv_blocks,
-            model_path=m.model_path,
-            architecture=m.architecture,
-            vocab_size=m.vocab_size,
-            max_model_len=m.max_model_len,
-            eos_token_ids=tuple(m.eos_token_ids),
-            dtype=m.dtype,
-            device=m.device,
-            attention_backend=m.attention_backend,
-            decode_attention=m.decode_attention,
-        )
+        return codec.executor_info_from_proto(resp)
 
     async def epoch(self, timeout: float = 2.0) -> str:
         """The executor's current epoch."""
