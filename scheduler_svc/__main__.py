@@ -35,15 +35,15 @@ async def serve(config: ServiceConfig) -> int:
         config.executor, config.token, tls_ca_file=config.executor_tls_ca_file,
         tls_server_name=config.executor_tls_server_name, step_timeout=config.executor_step_timeout,
     )
-    engine = Engine(config, executor)
     try:
-        await engine.start()
+        engine = await Engine.connect(config, executor)
     except ValueError as e:  # configuration that only the handshake could check
         print(f"scheduler_svc: error: {e}", file=sys.stderr)
         return 2
     except ExecutorError as e:
         print(f"scheduler_svc: error: executor {config.executor}: {e}", file=sys.stderr)
         return 1
+    engine.start()
     server, port = await build_server(
         engine, config.host, config.port, config.api_keys, config.tls_cert_file, config.tls_key_file
     )

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from chunkwise.logging_setup import RepeatedLog
-from chunkwise.plan import SampledToken
+from chunkwise.plan import ExecutorInfo, SampledToken
 from scheduler_svc.config import ServiceConfig
 from scheduler_svc.core import Request, RequestOutput, Scheduler, SchedulerConfig
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.executor_client import ExecutorClient, ExecutorError, ExecutorInfo, ExecutorRejected
+from scheduler_svc.executor_client import ExecutorClient, ExecutorError, ExecutorRejected
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.validation import InvalidRequest, ParsedRequest
 
@@ -69,12 +69,16 @@ class RequestStream:
 
 
 class Engine:
-    def __init__(self, config: ServiceConfig, executor: ExecutorClient):
+    """The step loop over one executor whose handshake is done: `await Engine.connect(...)`
+    builds one, `start()` runs it."""
+
+    def __init__(self, config: ServiceConfig, executor: ExecutorClient, info: ExecutorInfo):
         self.config = config
         self.executor = executor
-        self.info: ExecutorInfo | None = None
-        self.scheduler: Scheduler | None = None
-        self.tokenizer = None
+        self.info = info  # the last handshake's answer; replaced when the executor comes back
+        # ValueError if this executor cannot serve the configuration (too little KV, context).
+        self.scheduler = Scheduler(self._core_config(info), info.num_kv_blocks)
+        self.tokenizer = self._load_tokenizer()
         self.executor_restarts = 0
         self._streams: dict[str, RequestStream] = {}
         self._wake = asyncio.Event()
@@ -85,15 +89,20 @@ class Engine:
         self._hurry = asyncio.Event()  # set: end the shutdown grace period now
         # Called with False while the engine cannot serve (executor lost, shutting down) and with
         # True when it can again; the server points it at the health service.
-        self.on_serving_change: Callable[[bool], None] | None = None
+        self.on_serving_change: Callable[[bool], object] | None = None
         self._unusable_log = RepeatedLog(log)
-        self.metrics = Metrics(lambda: self.scheduler.stats() if self.scheduler is not None else None)
+        self.metrics = Metrics(lambda: self.scheduler.stats())
+
+    @classmethod
+    async def connect(cls, config: ServiceConfig, executor: ExecutorClient) -> Engine:
+        """Handshake with the executor (ExecutorError if it does not answer in time), then build
+        the engine for what it reported (ValueError if it cannot serve this configuration)."""
+        info = await executor.initialize(config.block_size, config.executor_connect_timeout)
+        return cls(config, executor, info)
 
     # ---- lifecycle -------------------------------------------------------------------------
-    async def start(self) -> None:
-        self.info = await self.executor.initialize(self.config.block_size, self.config.executor_connect_timeout)
-        self.scheduler = Scheduler(self._core_config(self.info), self.info.num_kv_blocks)
-        self.tokenizer = self._load_tokenizer()
+    def start(self) -> None:
+        """Start the step loop (and the periodic status line) on the running event loop."""
         log.info(
             "executor %s: %s, vocab %d, max_model_len %d, %d KV blocks of %d tokens, %s/%s, attention %s (decode: %s)",
             self.executor.address, self.info.architecture, self.info.vocab_size, self.max_model_len,
@@ -118,7 +127,7 @@ class Engine:
             enable_prefix_caching=c.enable_prefix_caching,
             enable_chunked_prefill=c.enable_chunked_prefill,
         )
-        core.validate()
+        core.validate()  # checked here too because _adopt needs the answer before building a Scheduler
         core.validate_capacity(info.num_kv_blocks)
         return core
 
@@ -158,7 +167,7 @@ class Engine:
         self._closing = True
         self._set_serving(False)
         deadline = time.monotonic() + grace
-        while self.scheduler is not None and self.scheduler.has_unfinished_requests():
+        while self.scheduler.has_unfinished_requests():
             if time.monotonic() >= deadline or self._hurry.is_set():
                 break
             await asyncio.sleep(0.05)

@@ -1,5 +1,6 @@
 """Both log formats carry request ids and other fields passed with `extra=`."""
 
+import dataclasses
 import json
 import logging
 import re
@@ -39,17 +40,18 @@ def test_an_executor_back_unusable_is_logged_once_then_summarised(caplog):
     # Issue 17: _reconnect retries every 0.2 s, and each retry used to log the same ERROR.
     from scheduler_svc.config import ServiceConfig
     from scheduler_svc.engine import Engine
-    from scheduler_svc.executor_client import ExecutorInfo
+    from chunkwise.plan import ExecutorInfo
 
     class _Executor:
         address = "127.0.0.1:1"
 
     now = [0.0]
-    engine = Engine(ServiceConfig(), _Executor())
+    usable = ExecutorInfo(epoch="e", block_size=16, num_kv_blocks=64, model_path="m", architecture="a",
+                          vocab_size=100, max_model_len=512, eos_token_ids=(1,), dtype="float32",
+                          device="cpu", attention_backend="torch")
+    engine = Engine(ServiceConfig(), _Executor(), usable)
     engine._unusable_log._clock = lambda: now[0]
-    too_small = ExecutorInfo(epoch="e", block_size=16, num_kv_blocks=2, model_path="m", architecture="a",
-                             vocab_size=100, max_model_len=512, eos_token_ids=(1,), dtype="float32",
-                             device="cpu", attention_backend="torch")
+    too_small = dataclasses.replace(usable, num_kv_blocks=2)
     with caplog.at_level(logging.ERROR, logger="chunkwise.scheduler"):
         for _ in range(5 * 60):  # a minute of retries, 5 a second
             assert engine._adopt(too_small) is not None
