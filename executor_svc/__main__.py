@@ -6,12 +6,10 @@ import argparse
 import dataclasses
 import ipaddress
 import logging
-import os
 import signal
 import sys
 import threading
 
-from chunkwise.cliutil import add_flag
 from chunkwise.limits import READY_EXECUTOR
 from chunkwise.logging_setup import setup_logging
 from chunkwise.model_source import resolve_model
@@ -22,18 +20,9 @@ from executor_svc.server import build_server
 log = logging.getLogger("chunkwise.executor")
 
 
-def parse_args(argv: list[str] | None) -> tuple[ExecutorConfig, argparse.Namespace]:
-    """The executor's own flags plus the TLS ones, which belong to the server, not the runner."""
-    parser = ExecutorConfig.add_arguments(argparse.ArgumentParser(prog="python -m executor_svc",
-                                                                  description="chunkwise executor"))
-    add_flag(parser, "--tls-cert-file", default=None, help="PEM certificate (chain); with --tls-key-file enables TLS")
-    add_flag(parser, "--tls-key-file", default=None, help="PEM private key for --tls-cert-file")
-    ns = parser.parse_args(argv)
-    return ExecutorConfig.from_namespace(ns), ns
-
-
-def check_security(config: ExecutorConfig, tls: bool) -> None:
-    """Refuse to run without a token; warn when the token would cross a network in cleartext."""
+def check_security(config: ExecutorConfig) -> str:
+    """Refuse to run without a token; warn when the token would cross a network in cleartext.
+    Returns the token."""
     if not config.token:
         raise ValueError("a shared token is required (set CHUNKWISE_EXECUTOR_TOKEN, or --token): "
                          "the executor refuses every call without it")
@@ -41,23 +30,20 @@ def check_security(config: ExecutorConfig, tls: bool) -> None:
         loopback = ipaddress.ip_address(config.host).is_loopback
     except ValueError:
         loopback = config.host == "localhost"
-    if not loopback and not tls:
+    if not loopback and not config.tls_cert_file:
         log.warning("listening on %s without TLS: the token and all traffic are readable on the network; "
                     "use --tls-cert-file/--tls-key-file unless the network is private", config.host)
+    return config.token
 
 
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     try:
-        config, ns = parse_args(argv)
-        if bool(ns.tls_cert_file) != bool(ns.tls_key_file):
-            raise ValueError("--tls-cert-file and --tls-key-file go together: give both or neither")
-        for flag, path in (("--tls-cert-file", ns.tls_cert_file), ("--tls-key-file", ns.tls_key_file)):
-            if path and not os.access(path, os.R_OK):
-                raise ValueError(f"{flag} {path!r} is not a readable file")
-        check_security(config, tls=bool(ns.tls_cert_file))
+        parser = argparse.ArgumentParser(prog="python -m executor_svc", description="chunkwise executor")
+        config = ExecutorConfig.from_namespace(ExecutorConfig.add_arguments(parser).parse_args(argv))
+        token = check_security(config)
+        # The runner validates the config again with the resolved model directory.
         config = dataclasses.replace(config, model=str(resolve_model(config.model)))
-        config.validate()
     except (ValueError, FileNotFoundError) as e:
         print(f"executor_svc: error: {e}", file=sys.stderr)
         return 2
@@ -69,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         # a crash: one line and the flag-error exit code, like the checks above.
         print(f"executor_svc: error: {e}", file=sys.stderr)
         return 2
-    server, port = build_server(runner, config.host, config.port, config.token, ns.tls_cert_file, ns.tls_key_file)
+    server, port = build_server(runner, config.host, config.port, token, config.tls_cert_file,
+                                config.tls_key_file)
     server.start()
     info = runner.info
     log.info(

@@ -17,10 +17,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from chunkwise.cliutil import env_name
+
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKEND_CHOICES = ("auto", "torch", "flash-attn")
-ENV_PREFIX = "CHUNKWISE_"
 TOKEN_ENV = "CHUNKWISE_EXECUTOR_TOKEN"
 
 
@@ -44,6 +45,9 @@ class ExecutorConfig:
     port: int = 50061
     token: str | None = None  # shared secret every call must carry; the server refuses to start without one
     enforce_eager: bool = False  # no torch.compile: decode attention takes the folded-query SDPA path
+    # TLS for the internal API (the server's concern; the model runner ignores them). Both or neither.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
 
     # ----------------------------------------------------------------------------- parsing
 
@@ -76,6 +80,9 @@ class ExecutorConfig:
         g.add_argument("--port", default=s, type=int, help="port to listen on (50061)")
         g.add_argument("--token", default=s,
                        help=f"shared secret callers must present (default: $CHUNKWISE_TOKEN, then ${TOKEN_ENV})")
+        g.add_argument("--tls-cert-file", default=s, metavar="PEM",
+                       help="certificate (chain); with --tls-key-file serves the internal API over TLS")
+        g.add_argument("--tls-key-file", default=s, metavar="PEM", help="private key for --tls-cert-file")
         return parser
 
     @classmethod
@@ -88,7 +95,7 @@ class ExecutorConfig:
             if hasattr(ns, f.name):
                 values[f.name] = getattr(ns, f.name)
                 continue
-            names = [ENV_PREFIX + f.name.upper()]
+            names = [env_name(f.name)]
             if f.name == "token":
                 names.append(TOKEN_ENV)
             for var in names:
@@ -139,6 +146,11 @@ class ExecutorConfig:
             p.append("--host must not be empty")
         if not 0 <= self.port <= 65535:
             p.append(f"--port must be in [0, 65535], got {self.port}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            p.append("--tls-cert-file and --tls-key-file go together: give both or neither")
+        for flag, path in (("--tls-cert-file", self.tls_cert_file), ("--tls-key-file", self.tls_key_file)):
+            if path and not os.access(path, os.R_OK):
+                p.append(f"{flag} {path!r} is not a readable file")
 
         # Device-dependent checks only make sense once device and dtype are themselves valid.
         if self.device in DEVICE_CHOICES and self.dtype in DTYPE_CHOICES:

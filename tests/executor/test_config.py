@@ -109,3 +109,15 @@ def test_enforce_eager_flag_and_env():
     assert ExecutorConfig.from_args([], env={"CHUNKWISE_ENFORCE_EAGER": "off"}).enforce_eager is False
     with pytest.raises(ConfigError, match="CHUNKWISE_ENFORCE_EAGER"):
         ExecutorConfig.from_args([], env={"CHUNKWISE_ENFORCE_EAGER": "maybe"})
+
+
+def test_tls_flags_belong_to_the_config(tmp_path):
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("x")
+    key.write_text("y")
+    c = parse(["--tls-cert-file", str(cert)], {"CHUNKWISE_TLS_KEY_FILE": str(key)})
+    assert (c.tls_cert_file, c.tls_key_file) == (str(cert), str(key))
+    with pytest.raises(ConfigError, match="go together"):
+        parse(["--tls-cert-file", str(cert)])
+    with pytest.raises(ConfigError, match="--tls-key-file .* is not a readable file"):
+        parse(["--tls-cert-file", str(cert), "--tls-key-file", str(tmp_path / "missing.pem")])
