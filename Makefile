@@ -12,11 +12,12 @@ serve:         ## set up and serve on 127.0.0.1:50051 until Ctrl-C
 test:          ## set up with test dependencies, lint, and run the whole suite
 	scripts/setup.sh test
 	scripts/install-test-tools.sh
-	.venv/bin/python -m ruff check .
+	$(MAKE) lint
 	.venv/bin/python -m pytest -q
 
-lint:          ## ruff (the rules are in pyproject.toml)
+lint:          ## ruff and mypy (both configured in pyproject.toml)
 	.venv/bin/python -m ruff check .
+	.venv/bin/python -m mypy
 
 test-quick:    ## the unit tier: no service processes, no SmolLM2
 	.venv/bin/python -m pytest -q -m "not smollm and not e2e"

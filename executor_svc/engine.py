@@ -211,9 +211,10 @@ class ModelRunner:
                                      self.config.gpu_memory_utilization, self.config.kv_cache_space)
         self.kv_cache = KVCache(shape, num_blocks, block_size, self.device)
         if backend_cls is TorchAttentionBackend:
-            backend: AttentionBackend = TorchAttentionBackend(
+            torch_backend = TorchAttentionBackend(
                 self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim, decode_kernel=self.decode_kernel)
-            decode = backend.decode_path
+            backend: AttentionBackend = torch_backend
+            decode = torch_backend.decode_path
         else:
             backend = backend_cls(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim)
             decode = backend_cls.name

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from typing import Callable
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -95,7 +96,7 @@ class Metrics:
         self.executor_step = Histogram("chunkwise:executor_step_duration_seconds",
                                        "Compute time of one step, as the executor reports it",
                                        buckets=_STEP_BUCKETS, registry=r)
-        self._server = None
+        self._server: WSGIServer | None = None
 
     def observe_step(self, wall_seconds: float, executor_seconds: float) -> None:
         self.step.observe(wall_seconds)
@@ -108,8 +109,9 @@ class Metrics:
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP endpoint in a thread; returns the bound port."""
-        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        bound = self._server.server_address[1]
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        bound = int(server.server_address[1])
         log.info("Prometheus metrics on http://%s:%d/metrics", host, bound)
         return bound
 
