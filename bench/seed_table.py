@@ -57,7 +57,12 @@ CONFIGS = {
     "PC-only": "--no-enable-chunked-prefill --enable-prefix-caching",
     "CP+PC": "--enable-chunked-prefill --enable-prefix-caching",
 }
-PEERS = ("vllm", "hf-padded", "hf-cb")
+# vllm: vLLM as it configures itself. On x86 it reserves one core for its API/scheduler processes
+# (VLLM_CPU_NUM_OF_RESERVED_CPU; its ompmultiprocessing.py), so on this 2-core machine the model
+# runs on one core. vllm-allcores: its OpenMP threads bound to every core and none reserved, the
+# way chunkwise's executor uses them (its scheduler process shares the same cores).
+VLLM_PEERS = ("vllm", "vllm-allcores")
+PEERS = (*VLLM_PEERS, "hf-padded", "hf-cb")
 
 
 def log(msg: str) -> None:
@@ -68,7 +73,7 @@ class VllmServer:
     """vLLM's OpenAI server from the peers venv, on a loopback port, started once."""
 
     def __init__(self, model: str, port: int, dtype: str, budget: int, max_model_len: int, kv_gib: float,
-                 timeout: float = 600):
+                 all_cores: bool = False, timeout: float = 600):
         py = PEERS_VENV / "bin" / "python"
         self.cmd = [
             str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "smollm2",
@@ -80,8 +85,12 @@ class VllmServer:
         ]
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(max(1, round(kv_gib))), VLLM_NO_USAGE_STATS="1",
                    DO_NOT_TRACK="1")
+        if all_cores:
+            cores = sorted(os.sched_getaffinity(0))
+            env.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)), VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        self.env = {k: env[k] for k in env if k.startswith("VLLM_")}
         TMP.mkdir(parents=True, exist_ok=True)
-        self.log_path = TMP / "vllm_server.log"
+        self.log_path = TMP / ("vllm_allcores_server.log" if all_cores else "vllm_server.log")
         self.log_file = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -260,7 +269,7 @@ async def main_async(ns) -> dict:
     configs = [lt.ServerConfig(n, [*common, *shlex.split(CONFIGS[n])]) for n in ns.configs]
     names = [c.name for c in configs] + list(peers)
     stacks: dict[str, lt.ManagedStack] = {}
-    vllm = None
+    vllms: dict[str, VllmServer] = {}
     runs: list[dict] = []
     raw: list[dict] = []
     started = time.time()
@@ -268,10 +277,10 @@ async def main_async(ns) -> dict:
         for c in configs:
             log(f"starting chunkwise {c.name}: {' '.join(c.scheduler_args)}")
             stacks[c.name] = await asyncio.to_thread(lt.ManagedStack, model, c, executor_args)
-        if "vllm" in peers:
-            log("starting vLLM (peers venv)")
-            vllm = await asyncio.to_thread(VllmServer, model, ns.vllm_port, ns.dtype, ns.budget, ns.max_model_len,
-                                           ns.kv_gib * 2)
+        for i, name in enumerate(p for p in VLLM_PEERS if p in peers):
+            log(f"starting {name} (peers venv)")
+            vllms[name] = await asyncio.to_thread(VllmServer, model, ns.vllm_port + i, ns.dtype, ns.budget,
+                                                  ns.max_model_len, ns.kv_gib * 2, name == "vllm-allcores")
         for rnd, order in enumerate(lt.round_orders(names, ns.repeats, True)):
             for name in order:
                 if name.startswith("hf-") and rnd >= ns.hf_repeats:
@@ -284,7 +293,8 @@ async def main_async(ns) -> dict:
                                             warmup=lt.warmup_requests(2, vocab, rnd), probe=ms.step_times,
                                             max_duration=ns.max_duration, request_timeout=ns.max_duration,
                                             keep_itl=False)
-                elif name == "vllm":
+                elif name in vllms:
+                    vllm = vllms[name]
                     cpu0 = vllm.cpu_seconds()
                     res = await lt.run_load(lt.OpenAIBackend(vllm.base_url, "smollm2"), requests, cache_salt=salt,
                                             label=name, warmup=lt.warmup_requests(2, vocab, rnd),
@@ -324,8 +334,8 @@ async def main_async(ns) -> dict:
     finally:
         for ms in stacks.values():
             ms.stop()
-        if vllm is not None:
-            vllm.stop()
+        for v in vllms.values():
+            v.stop()
     baseline = "neither" if "neither" in names else names[0]
     summary = summarize(runs, names, baseline)
     return {
@@ -345,7 +355,7 @@ async def main_async(ns) -> dict:
         },
         "configs": {c.name: c.scheduler_args for c in configs},
         "executor_args": executor_args,
-        "vllm": {"version": vllm.version, "command": vllm.cmd} if vllm else None,
+        "vllm": {name: {"version": v.version, "command": v.cmd, "env": v.env} for name, v in vllms.items()} or None,
         "baseline": baseline,
         "summary": summary,
         "table": table(summary, names, baseline),
@@ -377,7 +387,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-requests", action="store_true", help="keep per-request records in the JSON")
     p.add_argument("--json", default=None)
-    p.add_argument("--min-cpu-share", type=float, default=0.8,
+    p.add_argument("--min-cpu-share", type=float, default=0.75,
                    help="runs whose server got less CPU than this share of the cores count as contended")
     p.add_argument("--resummarize", metavar="JSON", default=None,
                    help="recompute the summaries of an earlier result file (no runs)")
