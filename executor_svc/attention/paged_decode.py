@@ -37,6 +37,15 @@ logger = logging.getLogger("chunkwise.executor.attention")
 
 # Rows and keys are padded to at least this many, so that no dynamic size is 0 or 1.
 MIN_PADDED = 2
+# (rows, keys) of the warm-up calls: a typical decode batch first (its sizes guide the compiler's
+# loop planning), then a small one, which must run without a recompile.
+WARM_UP_SHAPES = ((32, 512), (2, 5))
+WARM_UP_SLOTS = 256
+# Inductor decides which loops run in parallel from the sizes of the first call (the hints) and
+# keeps that decision for every later size. cpp.dynamic_threads keeps at least the outer loop of
+# every loop nest parallel whatever the hints said: without it, after a small warm-up batch the
+# softmax reductions were compiled `omp single`, one core idle for a third of the kernel.
+COMPILE_OPTIONS = {"cpp.dynamic_threads": True}
 
 
 def decode_slots(block_table: torch.Tensor, lens: list[int], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +126,7 @@ class PagedDecodeKernel:
             self.reason = f"{why}: using folded-query SDPA over gathered blocks"
             return
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
-        self._fn = torch.compile(paged_decode_reference, dynamic=False, fullgraph=True)
+        self._fn = torch.compile(paged_decode_reference, dynamic=False, fullgraph=True, options=COMPILE_OPTIONS)
         t0 = time.perf_counter()
         try:
             self._warm_up(num_heads, num_kv_heads, head_dim, dtype, device)
@@ -134,18 +143,19 @@ class PagedDecodeKernel:
         # Called the way the executor calls it, since grad mode and the tensors' kind are part of
         # the compiled code's guards: the KV cache is an ordinary tensor (allocated outside
         # inference mode), everything else is made inside it. Two different shapes, so the
-        # kernel is known to serve new sizes without recompiling.
+        # kernel is known to serve new sizes without recompiling; the first is a typical decode
+        # batch, since its sizes are the hints the compiler plans the loops by.
         g = torch.Generator(device="cpu").manual_seed(0)
-        k_flat = torch.randn(64, kvh, d, generator=g).to(device, dtype)
-        v_flat = torch.randn(64, kvh, d, generator=g).to(device, dtype)
+        k_flat = torch.randn(WARM_UP_SLOTS, kvh, d, generator=g).to(device, dtype)
+        v_flat = torch.randn(WARM_UP_SLOTS, kvh, d, generator=g).to(device, dtype)
         with torch.inference_mode():
             self._check_shapes(k_flat, v_flat, h, d, dtype, device, g)
 
     def _check_shapes(self, k_flat: torch.Tensor, v_flat: torch.Tensor, h: int, d: int, dtype: torch.dtype,
                       device: torch.device, g: torch.Generator) -> None:
-        for b, length in ((3, 37), (2, 5)):
+        for b, length in WARM_UP_SHAPES:
             q = torch.randn(b, h, d, generator=g).to(device, dtype)
-            slots = torch.randint(0, 64, (b, length), generator=g).to(device)
+            slots = torch.randint(0, WARM_UP_SLOTS, (b, length), generator=g).to(device)
             lens = torch.tensor([length] + [length - 1] * (b - 1), device=device)
             got = self(q, k_flat, v_flat, slots, lens, d**-0.5)
             want = paged_decode_reference(q, k_flat, v_flat, slots, lens, d**-0.5)

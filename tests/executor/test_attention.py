@@ -15,7 +15,12 @@ from executor_svc.attention import (
     TorchAttentionBackend,
     select_backend,
 )
-from executor_svc.attention.paged_decode import PagedDecodeKernel, decode_slots, paged_decode_reference
+from executor_svc.attention.paged_decode import (
+    COMPILE_OPTIONS,
+    PagedDecodeKernel,
+    decode_slots,
+    paged_decode_reference,
+)
 from executor_svc.kv_cache import KVCache, KVCacheShape
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
@@ -136,6 +141,35 @@ def test_paged_decode_serves_new_shapes_without_recompiling():
             got = kernel(q, k_flat, v_flat, slots, lens_t, DIM**-0.5)
             torch.testing.assert_close(got, paged_decode_reference(q, k_flat, v_flat, slots, lens_t, DIM**-0.5),
                                        atol=1e-5, rtol=1e-5)
+
+
+def _compiled_cpp(options: dict) -> str:
+    """The C++ inductor writes for the paged decode kernel when first called with 2 rows x 5 keys."""
+    from torch._inductor.utils import fresh_cache, run_and_get_cpp_code
+
+    fn = torch.compile(paged_decode_reference, dynamic=False, fullgraph=True, options=options)
+    g = torch.Generator().manual_seed(2)
+    k_flat, v_flat = torch.randn(64, KV_HEADS, DIM, generator=g), torch.randn(64, KV_HEADS, DIM, generator=g)
+    q, slots, lens = torch.randn(2, HEADS, DIM, generator=g), torch.randint(0, 64, (2, 5), generator=g), \
+        torch.tensor([5, 4])
+    for t, dims in ((q, (0,)), (k_flat, (0,)), (v_flat, (0,)), (slots, (0, 1)), (lens, (0,))):
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+    with fresh_cache(), torch.inference_mode():
+        _, code = run_and_get_cpp_code(fn, q, k_flat, v_flat, slots, lens, DIM**-0.5)
+    torch._dynamo.reset()
+    return code
+
+
+def test_paged_decode_runs_every_loop_nest_in_parallel():
+    # The compiler plans parallel loops from the first call's sizes and keeps the plan for every
+    # later size; planned from a small batch, the softmax's loops (or all of them) ran on one core.
+    code = _compiled_cpp(COMPILE_OPTIONS)
+    assert code.count("omp for") >= 4, code
+    assert "omp single" not in code, code
+    # Without the option the same small first call plans serial loops (what the option is for).
+    plain = _compiled_cpp({})
+    assert "omp single" in plain or "omp for" not in plain
 
 
 def test_paged_decode_bf16_within_bf16_rounding_of_fp32():
