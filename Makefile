@@ -3,11 +3,11 @@
 
 demo:          ## set up, start the stack on the embedded default model, send demo requests, stop
 	scripts/setup.sh
-	.venv/bin/python -m client.serve --demo
+	.venv/bin/python -m chunkwise_tools.serve --demo
 
 serve:         ## set up and serve on 127.0.0.1:50051 until Ctrl-C
 	scripts/setup.sh
-	.venv/bin/python -m client.serve
+	.venv/bin/python -m chunkwise_tools.serve
 
 test:          ## set up with test dependencies, lint, and run the whole suite
 	scripts/setup.sh test

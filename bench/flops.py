@@ -28,11 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from benchutil import write_json
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
 
 
 def cpu_flags() -> dict:

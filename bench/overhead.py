@@ -36,10 +36,10 @@ from pathlib import Path
 from benchutil import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# The tiny random checkpoint is made by the tests' own fixture code.
 sys.path.insert(0, str(ROOT / "tests"))
 
-from client import loadtest as lt  # noqa: E402
+from chunkwise_tools import loadtest as lt  # noqa: E402
 
 
 WORKLOADS = {

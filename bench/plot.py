@@ -3,7 +3,7 @@
     bench/.venv-peers/bin/python bench/plot.py RESULT.json OUT_DIR
 
 matplotlib is not a chunkwise dependency; the peers venv (bench/peers/setup_peers.sh) has it.
-- a `python -m client.loadtest` result or `--compare` result: latency CDFs (TTFT, TPOT, ITL,
+- a `python -m chunkwise_tools.loadtest` result or `--compare` result: latency CDFs (TTFT, TPOT, ITL,
   e2e) and, for a comparison, throughput per config;
 - a bench/seed_table.py result: throughput per config (median, min-max over rounds) and the
   paired throughput ratio to the baseline.
@@ -15,9 +15,10 @@ import json
 import sys
 from pathlib import Path
 
+# Runs in bench/.venv-peers (matplotlib lives there), where chunkwise is not installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from client import loadtest as lt  # noqa: E402
+from chunkwise_tools import loadtest as lt  # noqa: E402
 
 
 def seed_table_plots(result: dict, out_dir: Path) -> list[Path]:

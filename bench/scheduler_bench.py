@@ -21,14 +21,11 @@ import argparse
 import json
 import platform
 import random
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from chunkwise.plan import SampledToken, StepPlan, StepResult  # noqa: E402
-from scheduler_svc.core import Request, Scheduler, SchedulerConfig  # noqa: E402
+from chunkwise.plan import SampledToken, StepPlan, StepResult
+from scheduler_svc.core import Request, Scheduler, SchedulerConfig
 
 TARGET_US_PER_REQUEST = 20.0
 BLOCK_SIZE = 16

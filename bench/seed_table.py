@@ -44,9 +44,8 @@ from pathlib import Path
 from benchutil import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from client import loadtest as lt  # noqa: E402
+from chunkwise_tools import loadtest as lt  # noqa: E402
 
 PEERS_VENV = ROOT / "bench" / ".venv-peers"
 TMP = ROOT / "bench" / "results" / "tmp"

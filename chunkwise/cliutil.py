@@ -7,6 +7,7 @@ configured with environment variables alone; a flag given on the command line wi
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 
 ENV_PREFIX = "CHUNKWISE_"
@@ -43,3 +44,13 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs) -> argparse.A
     if "default" in kwargs and kwargs["default"] is not None and "%(default)" not in kwargs["help"]:
         kwargs["help"] += " (default: %(default)s)"
     return parser.add_argument(flag, **kwargs)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an IP literal, bracketed IPv6 included, or "localhost") is this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

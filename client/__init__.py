@@ -1,5 +1,5 @@
-"""chunkwise's client side: the SDK (`Client`, `AsyncClient`), the local stack launcher
-(`client.serve`) and the command line (`client.cli`)."""
+"""chunkwise's SDK (`Client`, `AsyncClient`) and the `chunkwise` command (`client.cli`). The
+launcher, soak and load tester are in `chunkwise_tools`, which the SDK never imports."""
 
 from client.sdk import AsyncClient, Chunk, ChunkwiseError, Client, GenerationResult, TokenLogprob, Usage
 

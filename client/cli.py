@@ -48,11 +48,11 @@ def _stats(ns) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
-        from client.serve import main as serve_main
+        from chunkwise_tools.serve import main as serve_main
 
         return serve_main(argv[1:])
     if argv[:1] == ["bench"]:
-        from client.loadtest import main as bench_main
+        from chunkwise_tools.loadtest import main as bench_main
 
         return bench_main(argv[1:], prog="chunkwise bench")
     p = argparse.ArgumentParser(prog="chunkwise")

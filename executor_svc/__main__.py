@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import ipaddress
 import logging
 import signal
 import sys
 import threading
 
+from chunkwise.cliutil import is_loopback
 from chunkwise.limits import READY_EXECUTOR
 from chunkwise.logging_setup import setup_logging
 from chunkwise.model_source import resolve_model
@@ -26,11 +26,7 @@ def check_security(config: ExecutorConfig) -> str:
     if not config.token:
         raise ValueError("a shared token is required (set CHUNKWISE_EXECUTOR_TOKEN, or --token): "
                          "the executor refuses every call without it")
-    try:
-        loopback = ipaddress.ip_address(config.host).is_loopback
-    except ValueError:
-        loopback = config.host == "localhost"
-    if not loopback and not config.tls_cert_file:
+    if not is_loopback(config.host) and not config.tls_cert_file:
         log.warning("listening on %s without TLS: the token and all traffic are readable on the network; "
                     "use --tls-cert-file/--tls-key-file unless the network is private", config.host)
     return config.token

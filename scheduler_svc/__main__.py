@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import signal
 import sys
 
+from chunkwise.cliutil import is_loopback
 from chunkwise.limits import READY_SCHEDULER
 from chunkwise.logging_setup import setup_logging
 from scheduler_svc.config import ServiceConfig
@@ -19,11 +19,7 @@ log = logging.getLogger("chunkwise.scheduler")
 
 
 def _warn_if_exposed(config: ServiceConfig) -> None:
-    try:
-        loopback = ipaddress.ip_address(config.host).is_loopback
-    except ValueError:
-        loopback = config.host == "localhost"
-    if not loopback and not config.tls_cert_file:
+    if not is_loopback(config.host) and not config.tls_cert_file:
         log.warning("serving the public API on %s without TLS: prompts, outputs%s cross the network in "
                     "cleartext; use --tls-cert-file/--tls-key-file unless the network is private",
                     config.host, " and API keys" if config.api_keys else "")

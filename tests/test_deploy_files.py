@@ -280,7 +280,7 @@ def run_probe(svc: dict, address: str) -> subprocess.CompletedProcess:
 @pytest.mark.e2e  # starts service processes
 def test_entry_commands_run_as_plain_processes(tiny_llama_path, tmp_path):
     from client import Client
-    from client.serve import READY_EXECUTOR, READY_SCHEDULER, launch, wait_healthy
+    from chunkwise_tools.serve import READY_EXECUTOR, READY_SCHEDULER, launch, wait_healthy
 
     executor_svc, scheduler_svc = service("executor-cpu"), service("scheduler-cpu")
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKWISE_")}

@@ -13,7 +13,8 @@ import math
 import numpy as np
 import pytest
 
-from client import loadtest as lt
+from chunkwise_tools import loadtest as lt
+from chunkwise_tools.loadtest.datasets import _token_range as token_range
 
 
 # ---- datasets ----------------------------------------------------------------------------------
@@ -25,7 +26,7 @@ def test_random_dataset_shape_and_prefix_groups():
     assert len(reqs) == 40
     assert all(len(r.prompt_token_ids) == 120 and r.max_tokens == 7 for r in reqs)
     assert [r.group for r in reqs[:8]] == [0, 1, 2, 3, 0, 1, 2, 3]  # groups interleave in arrival order
-    lo, hi = lt._token_range(384)
+    lo, hi = token_range(384)
     assert all(lo <= t <= hi for r in reqs for t in r.prompt_token_ids)
     by_group = {}
     for r in reqs:
@@ -349,7 +350,11 @@ def test_openai_backend_streams_chunked_sse():
         async with server:
             backend = lt.OpenAIBackend(f"http://127.0.0.1:{port}", "m")
             rec = lt.RequestRecord(0)
-            await backend.send(lt.BenchRequest(3, [1, 2, 3]), rec, cache_salt="salt", timeout=10)
+            await backend.open()
+            try:
+                await backend.send(lt.BenchRequest(3, [1, 2, 3]), rec, cache_salt="salt", timeout=10)
+            finally:
+                await backend.close()
         return rec, seen["body"]
 
     rec, body = asyncio.run(scenario())
@@ -359,12 +364,41 @@ def test_openai_backend_streams_chunked_sse():
     assert len(rec.itl) == 2 and rec.finish_reason == "length"
 
 
+def test_openai_backend_reports_an_http_error_with_its_body():
+    async def scenario():
+        async def handle(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            body = b'{"error": "model m not found"}'
+            writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            backend = lt.OpenAIBackend(f"http://127.0.0.1:{port}", "m")
+            await backend.open()
+            try:
+                with pytest.raises(RuntimeError, match="HTTP 404.*model m not found"):
+                    await backend.send(lt.BenchRequest(3, [1, 2, 3]), lt.RequestRecord(0), cache_salt="", timeout=10)
+            finally:
+                await backend.close()
+
+    asyncio.run(scenario())
+
+
+def test_openai_backend_refuses_a_base_url_it_cannot_use():
+    with pytest.raises(ValueError, match="--base-url"):
+        lt.OpenAIBackend("grpc://127.0.0.1:1", "m")
+
+
 # ---- against real stacks on the tiny checkpoint -------------------------------------------------
 
 
 @pytest.mark.e2e  # starts service processes
 def test_cli_against_a_running_stack(tiny_llama_path, tmp_path):
-    from client.serve import start_stack
+    from chunkwise_tools.serve import start_stack
 
     stack = start_stack(str(tiny_llama_path), executor_args=["--dtype", "float32"],
                         scheduler_args=["--stats-interval", "0", "--max-model-len", "256"], timeout=180)

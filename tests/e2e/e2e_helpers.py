@@ -44,7 +44,7 @@ def _first_diff(a, b):
 
 @contextlib.contextmanager
 def running_stack(model_dir, executor_args=(), scheduler_args=()):
-    from client.serve import start_stack
+    from chunkwise_tools.serve import start_stack
 
     stack = start_stack(
         str(model_dir),

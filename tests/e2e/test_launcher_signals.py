@@ -1,4 +1,4 @@
-"""`python -m client.serve` leaves no chunkwise process behind when it is stopped with SIGTERM or
+"""`python -m chunkwise_tools.serve` leaves no chunkwise process behind when it is stopped with SIGTERM or
 SIGHUP (docker stop, systemd, a closed terminal) or killed outright with SIGKILL (issue 16)."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
 def test_stopping_the_launcher_stops_its_services(tiny_llama_dir, sig):
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "client.serve", "--model", str(tiny_llama_dir), "--port", "0", "--quiet",
+        [sys.executable, "-m", "chunkwise_tools.serve", "--model", str(tiny_llama_dir), "--port", "0", "--quiet",
          "--metrics-port", "-1", "--executor-arg=--dtype", "--executor-arg=float32"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )

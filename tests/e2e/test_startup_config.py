@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from client.serve import start_executor
+from chunkwise_tools.serve import start_executor
 
 
 def run_scheduler(args: list[str], env_extra: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:

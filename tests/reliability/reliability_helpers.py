@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from client import Client
-from client.serve import Process, StackError, launch, start_executor, start_scheduler
+from chunkwise_tools.serve import Process, StackError, launch, start_executor, start_scheduler
 
 # The shared scheduler geometry: block 16, budget 64 (the seed's case), short contexts.
 BLOCK = 16
@@ -115,7 +115,7 @@ def paused(proc: Process):
 class Deployment:
     """An executor on a fixed port and a scheduler pointing at it, each killable and restartable.
 
-    `start_executor`/`start_scheduler` from client.serve do the work; fixed ports (instead of
+    `start_executor`/`start_scheduler` from chunkwise_tools.serve do the work; fixed ports (instead of
     port 0) are what let a restarted process come back on the address the other side knows.
     """
 
@@ -232,7 +232,7 @@ class StreamInThread:
 
 def launch_service(name: str, args: list[str], ready: str, env_extra: dict) -> Process:
     """Start `python -m <name> ...` and wait for its ready line only (for TLS servers, which
-    client.serve's plaintext health check cannot probe)."""
+    chunkwise_tools.serve's plaintext health check cannot probe)."""
     env = {**os.environ, **env_extra}
     return launch(name, [sys.executable, "-m", name, *args], ready, env, START_TIMEOUT)
 

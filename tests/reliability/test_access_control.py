@@ -20,7 +20,7 @@ from chunkwise.auth import bearer_metadata, channel_credentials
 from chunkwise.v1 import executor_pb2 as pb
 from chunkwise.v1 import executor_pb2_grpc as pb_grpc
 from client import ChunkwiseError, Client
-from client.serve import READY_EXECUTOR, READY_SCHEDULER
+from chunkwise_tools.serve import READY_EXECUTOR, READY_SCHEDULER
 from executor_svc.config import ExecutorConfig
 from reliability_helpers import SCHEDULER_FLAGS, assert_no_leak, free_port, health, launch_service, wait_idle
 from scheduler_svc.config import ServiceConfig

@@ -1,11 +1,11 @@
-"""`python -m client.soak` runs against a live server and reports a clean run (a few seconds of it;
+"""`python -m chunkwise_tools.soak` runs against a live server and reports a clean run (a few seconds of it;
 the documented soak is minutes long, see docs/reliability.md)."""
 
 from __future__ import annotations
 
 import json
 
-from client import soak
+from chunkwise_tools import soak
 from reliability_helpers import assert_no_leak, wait_idle
 
 

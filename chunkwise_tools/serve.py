@@ -1,6 +1,6 @@
 """The one-command local stack: start executor_svc and scheduler_svc as child processes.
 
-    python -m client.serve [--model DIR|FILE.gguf|smollm2-135m-instruct] [--port 50051] [--demo]
+    python -m chunkwise_tools.serve [--model DIR|FILE.gguf|smollm2-135m-instruct] [--port 50051] [--demo]
         [-- scheduler flags ...]
 
 Resolves the model once (converting the embedded GGUF on first use), generates a shared token,
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1 :]
-    p = argparse.ArgumentParser(prog="python -m client.serve", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m chunkwise_tools.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint dir, .gguf file or default model name")
     p.add_argument("--host", default="127.0.0.1", help="public API address")
     p.add_argument("--port", type=int, default=50051, help="public API port (0: any free one)")

@@ -1,8 +1,8 @@
 """Soak test: a mixed, partly misbehaving workload against a chunkwise stack for a few minutes.
 
-    python -m client.soak --minutes 3                      # starts a local stack (default model)
-    python -m client.soak --minutes 3 --kill-executor-every 45   # ... and SIGKILLs the executor
-    python -m client.soak --address 127.0.0.1:50051 --minutes 10  # an existing server
+    python -m chunkwise_tools.soak --minutes 3                      # starts a local stack (default model)
+    python -m chunkwise_tools.soak --minutes 3 --kill-executor-every 45   # ... and SIGKILLs the executor
+    python -m chunkwise_tools.soak --address 127.0.0.1:50051 --minutes 10  # an existing server
 
 `--concurrency` workers each send requests back to back: text and chat prompts sharing prefixes
 (so the prefix cache works), greedy, seeded and unseeded sampling, stop strings, logprobs; about a
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, scheduler_extra = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(prog="python -m client.soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m chunkwise_tools.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=3.0, help="how long to run (default 3)")
     p.add_argument("--address", default=None, help="an existing server; default: start a local stack")
     p.add_argument("--model", default=None, help="model for the local stack (default: the embedded one)")
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     state: dict = {}
     if args.address is None:
         from chunkwise.model_source import resolve_model
-        from client.serve import start_executor, start_scheduler
+        from chunkwise_tools.serve import start_executor, start_scheduler
 
         model_dir = resolve_model(args.model)
         token = secrets.token_urlsafe(24)
