@@ -16,6 +16,7 @@ class ServiceConfig:
     port: int = 50051
     token: str = ""  # the executor's shared token
     tokenizer: str | None = None  # directory; default: the executor's model directory
+    served_model_name: str | None = None  # the model's name in GetModelInfo; default: its directory's name
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -59,6 +60,9 @@ class ServiceConfig:
                            ("--executor-tls-ca-file", self.executor_tls_ca_file)):
             if path and not os.access(path, os.R_OK):
                 problems.append(f"{flag} {path!r} is not a readable file")
+        if self.served_model_name is not None and not (0 < len(self.served_model_name) <= 256
+                                                       and self.served_model_name.isprintable()):
+            problems.append("--served-model-name must be 1-256 printable characters")
         if self.executor_tls_server_name and not self.executor_tls_ca_file:
             problems.append("--executor-tls-server-name needs --executor-tls-ca-file")
         # The core's own checks (power-of-two block size, budget of at least one block, ...) run
@@ -94,6 +98,8 @@ class ServiceConfig:
                  help="shared token the executor requires (also CHUNKWISE_EXECUTOR_TOKEN)")
         add_flag(p, "--tokenizer", default=None,
                  help="tokenizer directory for text prompts; default: the executor's model directory")
+        add_flag(p, "--served-model-name", default=None,
+                 help="the model's name as the vLLM-protocol service reports it (default: the model directory's name)")
         add_flag(p, "--block-size", type=int, default=cls.block_size, help="tokens per KV block (a power of two)")
         add_flag(p, "--max-num-batched-tokens", type=int, default=cls.max_num_batched_tokens,
                  help="token budget of one step, shared by decodes and prefill chunks")

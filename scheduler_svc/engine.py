@@ -154,6 +154,11 @@ class Engine:
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
 
+    @property
+    def serving(self) -> bool:
+        """Whether new requests can be served now (the executor is there, no shutdown begun)."""
+        return not self._closing and self._executor_lost_at is None
+
     def _set_serving(self, serving: bool) -> None:
         if self.on_serving_change is not None:
             self.on_serving_change(serving and not self._closing)

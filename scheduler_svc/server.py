@@ -22,6 +22,9 @@ from chunkwise.v1 import generation_pb2 as gpb
 from chunkwise.v1 import generation_pb2_grpc as gpb_grpc
 from scheduler_svc.engine import Engine, EngineError, ErrorKind, StreamEvent
 from scheduler_svc.validation import InvalidRequest, parse_generate_request
+from scheduler_svc.vllm_api import SERVICE_NAME as VLLM_SERVICE_NAME
+from scheduler_svc.vllm_api import VllmEngineServicer, vpb
+from scheduler_svc.vllm_api import cpb as smg_common_pb
 
 log = logging.getLogger("chunkwise.scheduler.api")
 
@@ -146,6 +149,52 @@ def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
+# The VllmEngine methods: (request type, response type, streams its response).
+_VLLM_METHODS = {
+    "Generate": (vpb.GenerateRequest, vpb.GenerateResponse, True),
+    "Embed": (vpb.EmbedRequest, vpb.EmbedResponse, False),
+    "HealthCheck": (vpb.HealthCheckRequest, vpb.HealthCheckResponse, False),
+    "FlushCache": (smg_common_pb.FlushCacheRequest, smg_common_pb.FlushCacheResponse, False),
+    "StartProfile": (smg_common_pb.StartProfileRequest, smg_common_pb.ProfileResponse, False),
+    "StopProfile": (smg_common_pb.StopProfileRequest, smg_common_pb.ProfileResponse, False),
+    "Abort": (vpb.AbortRequest, vpb.AbortResponse, False),
+    "GetModelInfo": (vpb.GetModelInfoRequest, vpb.GetModelInfoResponse, False),
+    "GetServerInfo": (vpb.GetServerInfoRequest, vpb.GetServerInfoResponse, False),
+    "GetLoads": (vpb.GetLoadsRequest, vpb.GetLoadsResponse, False),
+    "GetTokenizer": (smg_common_pb.GetTokenizerRequest, smg_common_pb.GetTokenizerChunk, True),
+    "SubscribeKvEvents": (smg_common_pb.SubscribeKvEventsRequest, smg_common_pb.KvEventBatch, True),
+}
+
+
+def _guarded(method, streaming: bool):
+    """`method` behind the malformed-bytes check (INVALID_ARGUMENT, not grpc's INTERNAL)."""
+    if streaming:
+        async def stream(request, context):
+            await _refuse_malformed(request, context)
+            async for item in method(request, context):
+                yield item
+
+        return stream
+
+    async def unary(request, context):
+        await _refuse_malformed(request, context)
+        return await method(request, context)
+
+    return unary
+
+
+def add_vllm_engine_service(servicer: VllmEngineServicer, server: grpc.aio.Server) -> None:
+    """Like smg_grpc_proto's add_VllmEngineServicer_to_server, with lenient request parsing."""
+    handlers = {}
+    for name, (request_cls, response_cls, streaming) in _VLLM_METHODS.items():
+        make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
+        handlers[name] = make(_guarded(getattr(servicer, name), streaming),
+                              request_deserializer=_lenient(request_cls),
+                              response_serializer=response_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(VLLM_SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(VLLM_SERVICE_NAME, handlers)
+
+
 def stats_to_proto(engine: Engine) -> gpb.Stats:
     st = engine.scheduler.stats()
     return gpb.Stats(
@@ -188,12 +237,14 @@ async def build_server(
         ],
     )
     add_generation_service(GenerationServicer(engine), server)
+    # The same engine, keys and limits behind SMG's vLLM engine protocol (vllm_api.py).
+    add_vllm_engine_service(VllmEngineServicer(engine, engine.config.served_model_name), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
 
     async def set_health(serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE_NAME, VLLM_SERVICE_NAME):
             await health_servicer.set(name, status)
 
     await set_health(True)
@@ -201,6 +252,7 @@ async def build_server(
     engine.on_serving_change = lambda serving: asyncio.ensure_future(set_health(serving))
     service_names = (
         gpb.DESCRIPTOR.services_by_name["Generation"].full_name,
+        VLLM_SERVICE_NAME,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         reflection.SERVICE_NAME,
     )
