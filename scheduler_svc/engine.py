@@ -19,7 +19,7 @@ from typing import Callable
 from chunkwise.logging_setup import RepeatedLog
 from chunkwise.plan import ExecutorInfo, SampledToken
 from scheduler_svc.config import ServiceConfig
-from scheduler_svc.core import Request, RequestOutput, Scheduler, SchedulerConfig
+from scheduler_svc.core import KVEvent, Request, RequestOutput, Scheduler, SchedulerConfig
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.executor_client import ExecutorClient, ExecutorError, ExecutorRejected
 from scheduler_svc.metrics import Metrics
@@ -92,6 +92,8 @@ class Engine:
         self.on_serving_change: Callable[[bool], object] | None = None
         self._unusable_log = RepeatedLog(log)
         self.metrics = Metrics(lambda: self.scheduler.stats())
+        # Who hears of prefix-index changes (the vLLM-protocol service's KV event streams).
+        self._kv_event_sinks: list[Callable[[list[KVEvent]], object]] = []
 
     @classmethod
     async def connect(cls, config: ServiceConfig, executor: ExecutorClient) -> Engine:
@@ -188,6 +190,28 @@ class Engine:
                 except asyncio.CancelledError:
                     pass
 
+    # ---- KV events ---------------------------------------------------------------------------
+    def add_kv_event_sink(self, sink: Callable[[list[KVEvent]], object]) -> None:
+        """Call `sink` with every batch of prefix-index changes from now on."""
+        self._kv_event_sinks.append(sink)
+        self.scheduler.record_kv_events()
+
+    def remove_kv_event_sink(self, sink: Callable[[list[KVEvent]], object]) -> None:
+        if sink in self._kv_event_sinks:
+            self._kv_event_sinks.remove(sink)
+
+    def publish_kv_events(self) -> None:
+        """Hand what the prefix index gained and lost since the last call to every sink."""
+        events = self.scheduler.take_kv_events()
+        if events:
+            for sink in list(self._kv_event_sinks):
+                sink(events)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (running requests keep their blocks' KV)."""
+        self.scheduler.reset_prefix_cache()
+        self.publish_kv_events()
+
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, parsed: ParsedRequest) -> RequestStream:
         if self._closing:
@@ -273,6 +297,7 @@ class Engine:
     async def _run_steps(self) -> None:
         was_idle = False
         while True:
+            self.publish_kv_events()  # e.g. the reset of a restart handled in the last iteration
             if not self.scheduler.has_work():  # work includes executor state still to drop
                 self._wake.clear()
                 await self._wake.wait()
@@ -306,6 +331,7 @@ class Engine:
             wall = time.perf_counter() - started
             self.metrics.observe_step(wall, result.execute_seconds)
             self._dispatch(self.scheduler.update(plan, result))
+            self.publish_kv_events()  # blocks registered now that the step that wrote them ran
             # Yield once per step so handlers can enqueue and streams can flush.
             await asyncio.sleep(0)
 
@@ -458,7 +484,10 @@ class Engine:
             )
             for rid in list(self._streams):
                 self._fail(rid, EngineError(ErrorKind.UNAVAILABLE, "executor changed; retry the request"))
+            self.publish_kv_events()  # the old core's last events (its reset among them)
             self.scheduler = Scheduler(core, info.num_kv_blocks)
+            if self._kv_event_sinks:
+                self.scheduler.record_kv_events()
         if info.epoch != old.epoch:
             self.executor_restarts += 1
         self.info = info

@@ -20,7 +20,8 @@ from grpc_reflection.v1alpha import reflection
 from chunkwise.auth import AsyncTokenAuthInterceptor, server_credentials
 from chunkwise.v1 import generation_pb2 as gpb
 from chunkwise.v1 import generation_pb2_grpc as gpb_grpc
-from scheduler_svc.engine import Engine, EngineError, ErrorKind, StreamEvent
+from scheduler_svc.engine import Engine, EngineError, StreamEvent
+from scheduler_svc.status import STATUS_OF_KIND as _STATUS
 from scheduler_svc.validation import InvalidRequest, parse_generate_request
 from scheduler_svc.vllm_api import SERVICE_NAME as VLLM_SERVICE_NAME
 from scheduler_svc.vllm_api import VllmEngineServicer, vpb
@@ -28,12 +29,6 @@ from scheduler_svc.vllm_api import cpb as smg_common_pb
 
 log = logging.getLogger("chunkwise.scheduler.api")
 
-# The engine's error kinds as the client sees them (the only place they meet gRPC).
-_STATUS = {
-    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
-}
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 SERVICE_NAME = "chunkwise.v1.Generation"

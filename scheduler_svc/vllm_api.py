@@ -18,12 +18,18 @@ tokens (and their count, not a running total); the last is followed by a `comple
 with the finish reason and the last chunk's tokens. Without streaming there is one `complete`
 with every token.
 
-Not served yet: SubscribeKvEvents, Embed, GetTokenizer and the profiler calls answer
-UNIMPLEMENTED with a message saying so.
+SubscribeKvEvents streams what the prefix index gains and loses (`KvEventStreams`): a first
+batch that clears the subscriber's view and lists every indexed block, then one batch per step
+that changed the index. A block is announced only from `Scheduler.update`, after the step that
+wrote its KV, so the gateway never routes to KV that does not exist yet; an eviction, a
+FlushCache and an executor restart (which drops the whole index) are announced too.
+
+Not served: Embed, GetTokenizer and the profiler calls answer UNIMPLEMENTED, saying so.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from datetime import datetime, timezone
@@ -36,7 +42,9 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 
 from chunkwise.plan import SampledToken
 from chunkwise.v1 import generation_pb2 as gpb
-from scheduler_svc.engine import Engine, EngineError, ErrorKind, StreamEvent
+from scheduler_svc.core import BlockRemoved, BlockStored, CacheCleared, KVEvent
+from scheduler_svc.engine import Engine, EngineError, StreamEvent
+from scheduler_svc.status import STATUS_OF_KIND as _STATUS
 from scheduler_svc.validation import MAX_LOGPROBS, InvalidRequest, parse_generate_request
 
 log = logging.getLogger("chunkwise.scheduler.vllm_api")
@@ -45,12 +53,6 @@ SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 # What GetServerInfo calls this server: the gateway tells engines apart by protocol, and this is
 # vLLM's protocol (chunkwise names itself in GetLoads' `version`).
 SERVER_TYPE = "vllm-grpc"
-
-_STATUS = {
-    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
-}
 
 # chunkwise.v1 field names as validation reports them -> this contract's names.
 _FIELD_NAMES = (
@@ -178,11 +180,94 @@ def _complete(token_ids: list[int], logprobs: list[SampledToken], ev: StreamEven
     return vpb.GenerateResponse(complete=done)
 
 
+# A subscriber this many batches behind is dropped (its stream ends UNAVAILABLE and it
+# subscribes again, getting a fresh snapshot) rather than buffered without bound.
+MAX_PENDING_KV_BATCHES = 1024
+
+
+def block_hash_id(block_hash: bytes) -> int:
+    """A block's SHA-256 as the protocol's int64: its first 8 bytes, signed. For routing only; the
+    cache itself matches full digests and tokens."""
+    return int.from_bytes(block_hash[:8], "big", signed=True)
+
+
+def kv_events_to_proto(events: list[KVEvent], block_size: int, first_event_id: int) -> list[cpb.KvCacheEvent]:
+    out: list[cpb.KvCacheEvent] = []
+    for i, ev in enumerate(events, first_event_id):
+        if isinstance(ev, BlockStored):
+            stored = cpb.KvBlocksStored(
+                blocks=[cpb.KvBlock(block_hash=block_hash_id(ev.block_hash), token_ids=ev.token_ids,
+                                    block_size=block_size)],
+                tier=cpb.KV_CACHE_TIER_DEVICE, locality=cpb.KV_CACHE_LOCALITY_LOCAL,
+            )
+            if ev.parent_hash is not None:
+                stored.parent_block_hash = block_hash_id(ev.parent_hash)
+            if isinstance(ev.extra_key, str):
+                stored.cache_salt = ev.extra_key
+            out.append(cpb.KvCacheEvent(event_id=i, stored=stored))
+        elif isinstance(ev, BlockRemoved):
+            out.append(cpb.KvCacheEvent(event_id=i, removed=cpb.KvBlocksRemoved(
+                block_hashes=[block_hash_id(ev.block_hash)], tier=cpb.KV_CACHE_TIER_DEVICE,
+                locality=cpb.KV_CACHE_LOCALITY_LOCAL)))
+        elif isinstance(ev, CacheCleared):
+            out.append(cpb.KvCacheEvent(event_id=i, cleared=cpb.KvCacheCleared()))
+    return out
+
+
+class _Subscriber:
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[cpb.KvEventBatch | None] = asyncio.Queue()
+        self.dropped = False
+
+
+class KvEventStreams:
+    """Fans the engine's KV events out to SubscribeKvEvents streams, numbering the batches."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.sequence = 0  # the number of the last batch published
+        self.next_event_id = 0
+        self.subscribers: set[_Subscriber] = set()
+        self._hooked = False
+
+    def _batch(self, events: list[KVEvent], sequence: int) -> cpb.KvEventBatch:
+        protos = kv_events_to_proto(events, self.engine.scheduler.config.block_size, self.next_event_id)
+        self.next_event_id += len(protos)
+        return cpb.KvEventBatch(sequence_number=sequence, timestamp=time.time(), events=protos)
+
+    def publish(self, events: list[KVEvent]) -> None:
+        if not self.subscribers:
+            return
+        self.sequence += 1
+        batch = self._batch(events, self.sequence)
+        for sub in list(self.subscribers):
+            if sub.queue.qsize() >= MAX_PENDING_KV_BATCHES:
+                sub.dropped = True
+                self.subscribers.discard(sub)
+                sub.queue.put_nowait(None)
+            else:
+                sub.queue.put_nowait(batch)
+
+    def subscribe(self) -> tuple[_Subscriber, cpb.KvEventBatch]:
+        """A new subscriber and its first batch: the whole index as it is now."""
+        if not self._hooked:
+            self.engine.add_kv_event_sink(self.publish)  # from now on the core records events
+            self._hooked = True
+        self.engine.publish_kv_events()  # what is pending belongs to the earlier subscribers
+        sub = _Subscriber()
+        self.subscribers.add(sub)
+        return sub, self._batch(self.engine.scheduler.block_pool.snapshot_events(), self.sequence)
+
+    def unsubscribe(self, sub: _Subscriber) -> None:
+        self.subscribers.discard(sub)
+
+
 class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     def __init__(self, engine: Engine, served_model_name: str | None = None):
         self.engine = engine
         self.served_model_name = served_model_name
         self.started = time.time()
+        self.kv_streams = KvEventStreams(engine)
 
     async def Generate(self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext):
         engine = self.engine
@@ -287,7 +372,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     async def FlushCache(self, request: cpb.FlushCacheRequest, context) -> cpb.FlushCacheResponse:
         # Every block leaves the prefix index; blocks that running requests hold keep their KV
         # for them, so nothing in flight is disturbed and the call never has to wait.
-        self.engine.scheduler.reset_prefix_cache()
+        self.engine.reset_prefix_cache()
         return cpb.FlushCacheResponse(success=True, message="prefix cache cleared")
 
     async def _unimplemented(self, what: str, context) -> None:
@@ -306,9 +391,20 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         await self._unimplemented("GetTokenizer (start the gateway with --tokenizer-path)", context)
         yield  # an async generator, as the streaming method requires
 
-    async def SubscribeKvEvents(self, request, context):
-        await self._unimplemented("SubscribeKvEvents (cache-aware routing falls back to its own tree)", context)
-        yield
+    async def SubscribeKvEvents(self, request: cpb.SubscribeKvEventsRequest, context):
+        # No history is kept, so a resume (start_sequence_number > 0) gets the same fresh snapshot
+        # as a new subscriber: its first batch clears the view and lists the index.
+        sub, snapshot = self.kv_streams.subscribe()
+        try:
+            yield snapshot
+            while True:
+                batch = await sub.queue.get()
+                if batch is None:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        "KV event stream fell behind; subscribe again for a fresh snapshot")
+                yield batch
+        finally:
+            self.kv_streams.unsubscribe(sub)
 
 
 def _token_id(tokenizer, name: str) -> int:

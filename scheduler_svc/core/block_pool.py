@@ -12,6 +12,12 @@ would hand one user another user's KV; a cryptographic 256-bit digest makes a cr
 infeasible, where a fast non-cryptographic hash (xxhash, Python's hash) can be attacked. The pool
 also keeps each registered block's token ids, so a hit is double-checked against the tokens at the
 cost of one tuple comparison.
+
+KV events. With `record_events()` the pool also logs what its prefix index gained and lost
+(`BlockStored` on register, `BlockRemoved` on eviction, `CacheCleared` on reset), for a gateway
+that routes requests to the replica holding their prefix. Stored events come from `register`,
+which runs only after the step that wrote the block, so a subscriber never hears of KV that does
+not exist yet.
 """
 
 from __future__ import annotations
@@ -20,9 +26,31 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 BlockHash = bytes  # a 32-byte SHA-256 digest
 ExtraKey = str | bytes | None
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    block_hash: BlockHash
+    parent_hash: BlockHash | None  # None: the first block of a sequence
+    token_ids: tuple[int, ...]
+    extra_key: ExtraKey  # the cache salt the hash was computed under
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hash: BlockHash
+
+
+@dataclass(frozen=True)
+class CacheCleared:
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | CacheCleared
 
 # The parent of a sequence's first block. Fixed width like a real digest, so the hash input is
 # unambiguous; no SHA-256 output is all zeros in practice.
@@ -59,7 +87,7 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int], e
 class KVBlock:
     """Bookkeeping for one KV block. Its id is the executor's block index."""
 
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "parent_hash", "extra_key")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -67,6 +95,9 @@ class KVBlock:
         # Set only while the block is in the prefix index: full, and its KV reported as written.
         self.block_hash: BlockHash | None = None
         self.token_ids: tuple[int, ...] | None = None
+        # What the hash was computed from besides the tokens, for a snapshot of the index.
+        self.parent_hash: BlockHash | None = None
+        self.extra_key: ExtraKey = None
 
     def __repr__(self) -> str:
         cached = self.block_hash.hex()[:8] if self.block_hash else None
@@ -95,6 +126,21 @@ class BlockPool:
         # Insertion order is eviction order: the first entry is the least recently freed.
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._index: dict[BlockHash, int] = {}
+        self._events: list[KVEvent] | None = None  # None: not recording
+
+    # ----- KV events -----
+
+    def record_events(self) -> None:
+        """Start logging index changes (idempotent); `take_events` hands them over."""
+        if self._events is None:
+            self._events = []
+
+    def take_events(self) -> list[KVEvent]:
+        """The events since the last call, oldest first ([] when not recording)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
 
     # ----- counts -----
 
@@ -130,7 +176,8 @@ class BlockPool:
             return None
         return block
 
-    def register(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
+    def register(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int],
+                 parent_hash: BlockHash | None = None, extra_key: ExtraKey = None) -> bool:
         """Put a full, executed block in the prefix index. False if the hash is already indexed.
 
         The caller (the scheduler's update) guarantees the block's KV has been written: see the
@@ -149,7 +196,10 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
+        block.parent_hash, block.extra_key = parent_hash, extra_key
         self._index[block_hash] = block_id
+        if self._events is not None:
+            self._events.append(BlockStored(block_hash, parent_hash, block.token_ids, extra_key))
         return True
 
     def reset_prefix_cache(self) -> None:
@@ -162,10 +212,12 @@ class BlockPool:
         for block_id in self._index.values():
             block = self.blocks[block_id]
             block.block_hash = None
-            block.token_ids = None
+            block.token_ids = block.parent_hash = block.extra_key = None
         self._index.clear()
         self._empty_free.extend(self._cached_free)
         self._cached_free.clear()
+        if self._events is not None:
+            self._events.append(CacheCleared())
 
     # ----- allocation -----
 
@@ -187,8 +239,10 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         del self._index[block.block_hash]
+        if self._events is not None:
+            self._events.append(BlockRemoved(block.block_hash))
         block.block_hash = None
-        block.token_ids = None
+        block.token_ids = block.parent_hash = block.extra_key = None
 
     def acquire(self, block_ids: Iterable[int]) -> None:
         """Add a reference to each of these cached blocks (a prefix-cache hit)."""
@@ -230,3 +284,9 @@ class BlockPool:
     def index_items(self) -> Iterator[tuple[BlockHash, KVBlock]]:
         for block_hash, block_id in self._index.items():
             yield block_hash, self.blocks[block_id]
+
+    def snapshot_events(self) -> list[KVEvent]:
+        """The index as events: a reset, then every indexed block in registration order (so a
+        block's parent, when indexed, comes before it)."""
+        return [CacheCleared(), *(BlockStored(h, b.parent_hash, b.token_ids or (), b.extra_key)
+                                  for h, b in self.index_items())]

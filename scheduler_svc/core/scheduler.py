@@ -34,7 +34,7 @@ from chunkwise.plan import (
     StepResult,
 )
 
-from .block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
+from .block_pool import BlockHash, BlockPool, KVBlock, KVEvent, hash_block_tokens
 from .config import SchedulerConfig
 from .request import FINISH_REASONS, FinishReason, Request, RequestOutput, RequestStatus
 
@@ -561,7 +561,9 @@ class Scheduler:
         num_full = req.num_computed_tokens // size
         tokens = req.all_token_ids
         for i in range(req.num_registered_blocks, num_full):
-            self.block_pool.register(req.block_ids[i], self._block_hash(req, i), tokens[i * size : (i + 1) * size])
+            parent = self._block_hash(req, i - 1) if i > 0 else None
+            self.block_pool.register(req.block_ids[i], self._block_hash(req, i), tokens[i * size : (i + 1) * size],
+                                     parent, req.cache_salt)
         if num_full > req.num_registered_blocks:
             req.num_registered_blocks = num_full
 
@@ -604,6 +606,13 @@ class Scheduler:
             req.executor_has_state = False
         self.block_pool.reset_prefix_cache()
         self._counters.executor_restarts += 1
+
+    def record_kv_events(self) -> None:
+        """Log prefix-index changes from now on (see BlockPool); `take_kv_events` drains them."""
+        self.block_pool.record_events()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.block_pool.take_events()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix. Returns True (it always succeeds here).

@@ -148,8 +148,32 @@ def test_info_loads_flush_and_unimplemented(stub):
     done = _generate(stub, _request("after-flush", stream=False, max_tokens=1))[0].complete
     assert done.cached_tokens == 0
     with pytest.raises(grpc.RpcError) as e:
-        list(stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), metadata=AUTH, timeout=30))
+        stub.Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=[1, 2])), metadata=AUTH, timeout=30)
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_kv_events_follow_the_prefix_cache(stub):
+    assert stub.FlushCache(cpb.FlushCacheRequest(), metadata=AUTH).success
+    call = stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), metadata=AUTH, timeout=60)
+    try:
+        snapshot = next(call)
+        assert [e.WhichOneof("data") for e in snapshot.events] == ["cleared"]  # the index is empty
+        prompt = [200 + i for i in range(40)]
+        _generate(stub, _request("kv-1", prompt=prompt, stream=False))
+        batch = next(call)
+        assert batch.sequence_number > snapshot.sequence_number
+        stored = [e.stored for e in batch.events]
+        # Positions 0..46 were computed (the 48th token is sampled, not computed): two full blocks.
+        assert [list(s.blocks[0].token_ids) for s in stored] == [prompt[:16], prompt[16:32]]
+        assert not stored[0].HasField("parent_block_hash")
+        assert stored[1].parent_block_hash == stored[0].blocks[0].block_hash
+        assert all(s.blocks[0].block_size == 16 for s in stored)
+        assert stub.FlushCache(cpb.FlushCacheRequest(), metadata=AUTH).success
+        cleared = next(call)
+        assert [e.WhichOneof("data") for e in cleared.events] == ["cleared"]
+        assert cleared.sequence_number == batch.sequence_number + 1
+    finally:
+        call.cancel()
 
 
 def test_abort_ends_a_running_request(stub):

@@ -15,8 +15,9 @@ def fill_and_register(pool, tokens):
     """Allocate a chain for `tokens` (full blocks only) and register every block."""
     bs = pool.block_size
     ids = pool.allocate(len(tokens) // bs)
-    for i, (b, h) in enumerate(zip(ids, chain_hashes(tokens, bs))):
-        assert pool.register(b, h, tokens[i * bs : (i + 1) * bs])
+    hashes = chain_hashes(tokens, bs)
+    for i, (b, h) in enumerate(zip(ids, hashes)):
+        assert pool.register(b, h, tokens[i * bs : (i + 1) * bs], hashes[i - 1] if i else None)
     return ids
 
 
@@ -144,3 +145,41 @@ def test_reset_prefix_cache_empties_the_index_but_keeps_used_blocks_owned():
     assert all(block.block_hash is None for block in pool.blocks)
     pool.release(kept)
     assert pool.num_free_blocks == 6 and pool.num_cached_free_blocks == 0
+
+
+# ---- KV events ---------------------------------------------------------------------------------
+
+
+def test_kv_events_are_off_until_asked_for():
+    pool = BlockPool(num_blocks=4, block_size=2)
+    fill_and_register(pool, [1, 2, 3, 4])
+    assert pool.take_events() == []
+
+
+def test_kv_events_log_stores_evictions_and_resets_in_order():
+    from scheduler_svc.core import BlockRemoved, BlockStored, CacheCleared
+
+    pool = BlockPool(num_blocks=2, block_size=2)
+    pool.record_events()
+    h1, h2 = chain_hashes([1, 2, 3, 4], 2, salt="s")
+    a, b = pool.allocate(2)
+    assert pool.register(a, h1, [1, 2], None, "s") and pool.register(b, h2, [3, 4], h1, "s")
+    assert pool.take_events() == [BlockStored(h1, None, (1, 2), "s"), BlockStored(h2, h1, (3, 4), "s")]
+    assert pool.take_events() == []  # taken once
+    pool.release([a, b])
+    assert pool.take_events() == []  # freed but still cached: the index did not change
+    pool.allocate(1)  # evicts the least recently freed, the chain's tail first
+    assert pool.take_events() == [BlockRemoved(h2)]
+    pool.reset_prefix_cache()
+    assert pool.take_events() == [CacheCleared()]
+
+
+def test_snapshot_lists_the_index_parents_first():
+    from scheduler_svc.core import BlockStored, CacheCleared
+
+    pool = BlockPool(num_blocks=4, block_size=2)
+    fill_and_register(pool, [1, 2, 3, 4])
+    h1, h2 = chain_hashes([1, 2, 3, 4], 2)
+    snap = pool.snapshot_events()
+    assert snap[0] == CacheCleared()
+    assert snap[1:] == [BlockStored(h1, None, (1, 2), None), BlockStored(h2, h1, (3, 4), None)]

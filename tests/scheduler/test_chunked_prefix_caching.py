@@ -258,3 +258,27 @@ def test_the_hold_needs_a_block_actually_being_computed():
     for j in range(2):
         scheduler.add_request(Request(f"s{j}", same, max_tokens=1))
     assert len(scheduler.schedule().chunks) == 2
+
+
+def test_kv_events_announce_a_block_only_after_the_step_that_wrote_it():
+    # What a gateway hears must obey the seed's rule too: a chunked prefill's blocks are announced
+    # by update(), never by schedule(), each with its parent, and the partial tail never.
+    from scheduler_svc.core import BlockStored
+
+    scheduler, executor = make(budget=64)
+    scheduler.record_kv_events()
+    scheduler.add_request(Request("r", PROMPT_120, max_tokens=1))
+    plan = scheduler.schedule()
+    result = executor.execute(plan)
+    assert scheduler.take_kv_events() == []
+    scheduler.update(plan, result)
+    first = scheduler.take_kv_events()
+    assert [e.token_ids for e in first] == [tuple(PROMPT_120[i * 16 : (i + 1) * 16]) for i in range(4)]
+    plan = scheduler.schedule()
+    assert scheduler.take_kv_events() == []
+    scheduler.update(plan, executor.execute(plan))
+    second = scheduler.take_kv_events()
+    assert len(second) == 3 and all(isinstance(e, BlockStored) for e in second)  # 120 // 16 = 7 in all
+    chain = first + second
+    assert chain[0].parent_hash is None
+    assert all(child.parent_hash == parent.block_hash for parent, child in zip(chain, chain[1:]))

@@ -1,5 +1,6 @@
 """gRPC stays at the edges: ExecutorClient turns status codes into its own errors, the engine
-speaks in error kinds, and only the public server maps those kinds back to status codes."""
+speaks in error kinds, and only the public services (through scheduler_svc/status.py) map those
+kinds back to status codes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from scheduler_svc import server
 from scheduler_svc.engine import ErrorKind
 from scheduler_svc.executor_client import ExecutorRejected, ExecutorUnavailable, _executor_error
 
@@ -40,7 +40,9 @@ def test_status_codes_become_executor_errors(code, kind):
 
 
 def test_every_error_kind_has_a_status():
-    assert set(server._STATUS) == set(ErrorKind)
+    from scheduler_svc.status import STATUS_OF_KIND  # grpc: only the services' shared map
+
+    assert set(STATUS_OF_KIND) == set(ErrorKind)
 
 
 def _imported_roots(path: Path) -> set[str]:
