@@ -1,17 +1,22 @@
 """The one-command local stack: start executor_svc and scheduler_svc as child processes.
 
     python -m chunkwise_tools.serve [--model DIR|FILE.gguf|smollm2-135m-instruct] [--port 50051] [--demo]
+        [--replicas N] [--gateway [--gateway-port 30080] [--gateway-policy cache_aware]]
         [-- scheduler flags ...]
 
 Resolves the model once (converting the embedded GGUF on first use), generates a shared token,
 starts the executor on a free loopback port, then the scheduler pointing at it, waits for both to
 be healthy, prints the address and serves until Ctrl-C (or, with --demo, sends a few requests and
 stops). `start_stack` is the same thing as a library call; the end-to-end tests use it.
+
+With `--replicas N` it starts N such stacks; with `--gateway`, SMG in front of them
+(chunkwise_tools/gateway.py), serving OpenAI-compatible HTTP on loopback.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import signal
@@ -221,6 +226,19 @@ def run_demo(address: str) -> None:
               f"{st['kv_blocks_used']}/{st['kv_blocks_cached']}/{st['kv_blocks_free']}")
 
 
+def run_gateway_demo(url: str, model: str) -> None:
+    from urllib.request import Request, urlopen
+
+    body = {"model": model, "max_tokens": 48, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]}
+    print(f"\n--- demo request through the gateway: POST {url}/v1/chat/completions ---", flush=True)
+    req = Request(url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urlopen(req, timeout=120) as r:  # noqa: S310 (the loopback gateway we started)
+        out = json.loads(r.read())
+    print(out["choices"][0]["message"]["content"])
+    print(f"usage: {json.dumps(out.get('usage'))}")
+
+
 def _stop_on_signal(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -240,7 +258,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus /metrics port of the scheduler (0: any free port; -1: off)")
     p.add_argument("--quiet", action="store_true", help="do not echo the services' logs")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="scheduler+executor stacks to start (the first on --port, the others on free ports)")
+    p.add_argument("--gateway", action="store_true",
+                   help="start SMG in front of the replicas: OpenAI-compatible HTTP (needs the gateway extra)")
+    p.add_argument("--gateway-host", default="127.0.0.1", help="the gateway's HTTP and metrics address")
+    p.add_argument("--gateway-port", type=int, default=None, help="the gateway's HTTP port (default 30080)")
+    p.add_argument("--gateway-policy", default="cache_aware", help="SMG's routing policy")
     ns = p.parse_args(argv)
+    if not 1 <= ns.replicas <= 16:
+        p.error(f"--replicas must be in [1, 16], got {ns.replicas}")
+    if not ns.gateway and (ns.gateway_port is not None or ns.gateway_policy != "cache_aware"):
+        p.error("--gateway-port and --gateway-policy need --gateway")
     # `docker stop`, systemd and a closed terminal send SIGTERM or SIGHUP, not Ctrl-C: stop the
     # children the same way (the finally below), never leave them running as orphans.
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -249,31 +278,54 @@ def main(argv: list[str] | None = None) -> int:
     print("starting chunkwise (model: %s) ..." % (ns.model or "embedded default"), flush=True)
     if ns.metrics_port >= 0 and "--metrics-port" not in extra:
         extra += ["--metrics-port", str(ns.metrics_port)]
+    stacks: list[Stack] = []
+    gateway = None
     try:
-        stack = start_stack(ns.model, executor_args=ns.executor_arg, scheduler_args=extra,
-                            host=ns.host, port=ns.port, echo=echo, die_with_parent=True)
-    except (StackError, ValueError, FileNotFoundError) as e:
-        print(f"serve: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # stopped while starting: start_stack has stopped what it started
-        return 0
-    print(f"chunkwise is serving on {stack.address} (gRPC chunkwise.v1.Generation)", flush=True)
-    for line in stack.scheduler.log_lines:
-        if "chunkwise metrics on" in line:
-            print(line, flush=True)
-    try:
+        try:
+            for i in range(ns.replicas):
+                stacks.append(start_stack(ns.model, executor_args=ns.executor_arg, scheduler_args=extra,
+                                          host=ns.host, port=ns.port if i == 0 else 0, echo=echo,
+                                          die_with_parent=True))
+            if ns.gateway:
+                from chunkwise.model_source import resolve_model
+                from chunkwise_tools.gateway import DEFAULT_PORT, start_gateway
+
+                gateway = start_gateway(
+                    [s.address for s in stacks], resolve_model(ns.model), host=ns.gateway_host,
+                    port=DEFAULT_PORT if ns.gateway_port is None else ns.gateway_port,
+                    policy=ns.gateway_policy, echo=echo, die_with_parent=True)
+        except (StackError, ValueError, FileNotFoundError) as e:
+            print(f"serve: error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:  # stopped while starting: the finally stops what was started
+            return 0
+        for stack in stacks:
+            print(f"chunkwise is serving on {stack.address} (gRPC chunkwise.v1.Generation, "
+                  f"vllm.grpc.engine.VllmEngine)", flush=True)
+            for line in stack.scheduler.log_lines:
+                if "chunkwise metrics on" in line:
+                    print(line, flush=True)
+        if gateway is not None:
+            print(f"OpenAI-compatible HTTP on {gateway.url}/v1 (SMG, policy {ns.gateway_policy}, model "
+                  f"{gateway.model!r}); gateway metrics on {gateway.metrics_url}", flush=True)
         if ns.demo:
-            run_demo(stack.address)
+            run_demo(stacks[0].address)
+            if gateway is not None:
+                run_gateway_demo(gateway.url, gateway.model)
             return 0
         print("Ctrl-C to stop.", flush=True)
-        while stack.scheduler.alive() and stack.executor.alive():
+        while all(s.scheduler.alive() and s.executor.alive() for s in stacks) and (
+                gateway is None or gateway.process.alive()):
             time.sleep(0.5)
         print("a service exited; stopping", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
-        stack.stop()
+        if gateway is not None:
+            gateway.stop()
+        for stack in stacks:
+            stack.stop()
 
 
 if __name__ == "__main__":
