@@ -196,10 +196,6 @@ class Engine:
         self._kv_event_sinks.append(sink)
         self.scheduler.record_kv_events()
 
-    def remove_kv_event_sink(self, sink: Callable[[list[KVEvent]], object]) -> None:
-        if sink in self._kv_event_sinks:
-            self._kv_event_sinks.remove(sink)
-
     def publish_kv_events(self) -> None:
         """Hand what the prefix index gained and lost since the last call to every sink."""
         events = self.scheduler.take_kv_events()
