@@ -20,9 +20,10 @@ from grpc_reflection.v1alpha import reflection
 from chunkwise.auth import AsyncTokenAuthInterceptor, server_credentials
 from chunkwise.v1 import generation_pb2 as gpb
 from chunkwise.v1 import generation_pb2_grpc as gpb_grpc
-from scheduler_svc.engine import Engine, EngineError, StreamEvent
+from scheduler_svc.engine import Engine, StreamEvent
 from scheduler_svc.status import STATUS_OF_KIND as _STATUS
-from scheduler_svc.validation import InvalidRequest, parse_generate_request
+from scheduler_svc.status import admit
+from scheduler_svc.validation import parse_generate_request
 from scheduler_svc.vllm_api import SERVICE_NAME as VLLM_SERVICE_NAME
 from scheduler_svc.vllm_api import VllmEngineServicer, vpb
 from scheduler_svc.vllm_api import cpb as smg_common_pb
@@ -86,18 +87,8 @@ class GenerationServicer(gpb_grpc.GenerationServicer):
     async def Generate(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext):
         engine = self.engine
         await _refuse_malformed(request, context)
-        try:
-            parsed = parse_generate_request(
-                request, engine.tokenizer, engine.info.vocab_size, engine.max_model_len
-            )
-            stream = engine.submit(parsed)
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except EngineError as e:
-            await context.abort(_STATUS[e.kind], e.message)
-        except Exception:  # a bug (or a tokenizer failing on odd text): say so, keep serving
-            log.exception("could not admit a request")
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error while admitting the request")
+        parsed, stream = await admit(engine, lambda: parse_generate_request(
+            request, engine.tokenizer, engine.info.vocab_size, engine.max_model_len), context)
         rid = parsed.request_id
         log.debug("request %s: %d prompt tokens", rid, len(parsed.prompt_token_ids))
         try:

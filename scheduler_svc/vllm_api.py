@@ -43,8 +43,9 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from chunkwise.plan import SampledToken
 from chunkwise.v1 import generation_pb2 as gpb
 from scheduler_svc.core import BlockRemoved, BlockStored, CacheCleared, KVEvent
-from scheduler_svc.engine import Engine, EngineError, StreamEvent
+from scheduler_svc.engine import Engine, StreamEvent
 from scheduler_svc.status import STATUS_OF_KIND as _STATUS
+from scheduler_svc.status import admit
 from scheduler_svc.validation import MAX_LOGPROBS, InvalidRequest, parse_generate_request
 
 log = logging.getLogger("chunkwise.scheduler.vllm_api")
@@ -271,17 +272,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     async def Generate(self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext):
         engine = self.engine
-        try:
-            parsed = parse_generate_request(to_generation_request(request, engine.max_model_len),
-                                            engine.tokenizer, engine.info.vocab_size, engine.max_model_len)
-            stream = engine.submit(parsed)
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(_rename(e)))
-        except EngineError as e:
-            await context.abort(_STATUS[e.kind], e.message)
-        except Exception:  # a bug (or a tokenizer failing on odd text): say so, keep serving
-            log.exception("could not admit a request")
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error while admitting the request")
+        parsed, stream = await admit(engine, lambda: parse_generate_request(
+            to_generation_request(request, engine.max_model_len), engine.tokenizer, engine.info.vocab_size,
+            engine.max_model_len), context, describe=lambda e: str(_rename(e)))
         rid = parsed.request_id
         wants_logprobs = stream.wants_logprobs
         token_ids: list[int] = []
