@@ -217,8 +217,8 @@ def kv_events_to_proto(events: list[KVEvent], block_size: int, first_event_id: i
 
 class _Subscriber:
     def __init__(self) -> None:
+        # None is the last item of a subscriber that fell behind: its stream ends.
         self.queue: asyncio.Queue[cpb.KvEventBatch | None] = asyncio.Queue()
-        self.dropped = False
 
 
 class KvEventStreams:
@@ -243,7 +243,6 @@ class KvEventStreams:
         batch = self._batch(events, self.sequence)
         for sub in list(self.subscribers):
             if sub.queue.qsize() >= MAX_PENDING_KV_BATCHES:
-                sub.dropped = True
                 self.subscribers.discard(sub)
                 sub.queue.put_nowait(None)
             else:
@@ -257,7 +256,7 @@ class KvEventStreams:
         self.engine.publish_kv_events()  # what is pending belongs to the earlier subscribers
         sub = _Subscriber()
         self.subscribers.add(sub)
-        return sub, self._batch(self.engine.scheduler.block_pool.snapshot_events(), self.sequence)
+        return sub, self._batch(self.engine.scheduler.kv_snapshot_events(), self.sequence)
 
     def unsubscribe(self, sub: _Subscriber) -> None:
         self.subscribers.discard(sub)

@@ -614,6 +614,10 @@ class Scheduler:
     def take_kv_events(self) -> list[KVEvent]:
         return self.block_pool.take_events()
 
+    def kv_snapshot_events(self) -> list[KVEvent]:
+        """The prefix index as it is now, as events (a reset, then every indexed block)."""
+        return self.block_pool.snapshot_events()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix. Returns True (it always succeeds here).
 
