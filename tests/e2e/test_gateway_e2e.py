@@ -93,6 +93,23 @@ def test_chat_completions_equal_the_direct_call(deployment, http):
     assert _sse_text(http, "/v1/chat/completions", body)[0] == want
 
 
+def test_the_openai_sdk_gets_the_direct_answers(deployment):
+    # What a user's application would run, unchanged, against the gateway.
+    openai = pytest.importorskip("openai")
+    gateway, stacks = deployment
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    out = client.completions.create(model=gateway.model, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert out.choices[0].text == _direct(stacks, prompt=PROMPT, max_tokens=12)
+    want = _direct(stacks, messages=QUESTION, max_tokens=24)
+    chat = client.chat.completions.create(model=gateway.model, messages=QUESTION, max_tokens=24, temperature=0)
+    assert chat.choices[0].message.content == want
+    streamed = client.chat.completions.create(model=gateway.model, messages=QUESTION, max_tokens=24,
+                                              temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == want
+    with pytest.raises(openai.BadRequestError, match="sampling_params.n"):
+        client.completions.create(model=gateway.model, prompt=PROMPT, max_tokens=4, n=2)
+
+
 def test_stop_strings(deployment, http):
     gateway, stacks = deployment
     want = _direct(stacks, prompt=PROMPT, max_tokens=12, stop=["answer"])
