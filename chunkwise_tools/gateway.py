@@ -18,9 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -54,14 +52,8 @@ class Gateway:
     model: str  # the model id SMG serves (its /v1/models), what requests name
 
     def stop(self, timeout: float = 15.0) -> None:
-        p = self.process.popen
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        self.process.terminate()
+        self.process.wait_or_kill(timeout)
 
 
 def start_gateway(workers: list[str], model_dir: str | Path, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
@@ -86,8 +78,7 @@ def start_gateway(workers: list[str], model_dir: str | Path, *, host: str = "127
     try:
         model = _wait_ready(url, timeout)
     except BaseException:
-        proc.popen.kill()
-        proc.popen.wait()
+        proc.kill()
         raise
     return Gateway(proc, url, f"http://{host}:{metrics_port}/metrics", model)
 

@@ -47,6 +47,21 @@ class Process:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
+    def kill(self) -> None:
+        self.popen.kill()
+        self.popen.wait()
+
+    def terminate(self) -> None:
+        """Ask it to stop (SIGTERM: the services drain, then exit); `wait_or_kill` collects it."""
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+
+    def wait_or_kill(self, timeout: float) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
 
 def _pump(proc: subprocess.Popen, name: str, ready: str, found: dict, lines: list[str], echo) -> None:
     """Read a child's merged output: find the ready line, keep a tail, echo the rest."""
@@ -137,14 +152,9 @@ class Stack:
 
     def stop(self, timeout: float = 15.0) -> None:
         for p in (self.scheduler, self.executor):
-            if p.alive():
-                p.popen.send_signal(signal.SIGTERM)
+            p.terminate()
         for p in (self.scheduler, self.executor):
-            try:
-                p.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
-                p.popen.wait()
+            p.wait_or_kill(timeout)
 
     def __enter__(self):
         return self
@@ -163,8 +173,7 @@ def start_executor(model_dir: str | Path, token: str, args: list[str] = (), *, e
     try:
         wait_healthy(proc.address, "chunkwise.v1.Executor", timeout)
     except BaseException:
-        proc.popen.kill()
-        proc.popen.wait()
+        proc.kill()
         raise
     return proc
 
@@ -179,8 +188,7 @@ def start_scheduler(executor_address: str, token: str, args: list[str] = (), *, 
     try:
         wait_healthy(proc.address, "chunkwise.v1.Generation", timeout)
     except BaseException:
-        proc.popen.kill()
-        proc.popen.wait()
+        proc.kill()
         raise
     return proc
 
@@ -198,8 +206,7 @@ def start_stack(model: str | None = None, *, executor_args: list[str] = (), sche
         scheduler = start_scheduler(executor.address, token, scheduler_args, host=host, port=port,
                                     env=env, timeout=timeout, echo=echo, die_with_parent=die_with_parent)
     except BaseException:
-        executor.popen.kill()
-        executor.popen.wait()
+        executor.kill()
         raise
     return Stack(executor, scheduler, token)
 

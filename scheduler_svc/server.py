@@ -16,6 +16,8 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import common_pb2 as smg_common_pb
 
 from chunkwise.auth import AsyncTokenAuthInterceptor, server_credentials
 from chunkwise.v1 import generation_pb2 as gpb
@@ -25,8 +27,7 @@ from scheduler_svc.status import STATUS_OF_KIND as _STATUS
 from scheduler_svc.status import admit
 from scheduler_svc.validation import parse_generate_request
 from scheduler_svc.vllm_api import SERVICE_NAME as VLLM_SERVICE_NAME
-from scheduler_svc.vllm_api import VllmEngineServicer, vpb
-from scheduler_svc.vllm_api import cpb as smg_common_pb
+from scheduler_svc.vllm_api import VllmEngineServicer
 
 log = logging.getLogger("chunkwise.scheduler.api")
 
