@@ -84,7 +84,7 @@ def sampling_from_proto(msg: pb.ExecSamplingParams) -> SamplingParams:
 
 
 def plan_to_proto(plan: StepPlan, executor_epoch: str) -> pb.StepPlan:
-    return pb.StepPlan(
+    msg = pb.StepPlan(
         step_id=plan.step_id,
         executor_epoch=executor_epoch,
         finished_req_ids=plan.finished_req_ids,
@@ -99,7 +99,8 @@ def plan_to_proto(plan: StepPlan, executor_epoch: str) -> pb.StepPlan:
         ],
         running=[
             pb.RunningRequestDelta(
-                req_id=d.req_id, new_token_ids=d.new_token_ids, new_block_ids=d.new_block_ids
+                req_id=d.req_id, new_token_ids=d.new_token_ids, new_block_ids=d.new_block_ids,
+                append_sampled=d.append_sampled,
             )
             for d in plan.running
         ],
@@ -114,6 +115,9 @@ def plan_to_proto(plan: StepPlan, executor_epoch: str) -> pb.StepPlan:
             for c in plan.chunks
         ],
     )
+    if plan.follows_step_id is not None:
+        msg.follows_step_id = plan.follows_step_id
+    return msg
 
 
 def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
@@ -134,6 +138,7 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
                 req_id=d.req_id,
                 new_token_ids=list(d.new_token_ids),
                 new_block_ids=list(d.new_block_ids),
+                append_sampled=d.append_sampled,
             )
             for d in msg.running
         ],
@@ -147,6 +152,7 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
             )
             for c in msg.chunks
         ],
+        follows_step_id=msg.follows_step_id if msg.HasField("follows_step_id") else None,
     )
 
 

@@ -1,6 +1,7 @@
 """The step plan: what the scheduler asks the executor to compute in one step, and the answer.
 
-One `StepPlan` is sent per engine step. It is *incremental*, in the spirit of vLLM V1's
+One `StepPlan` is sent per engine step (with async scheduling, step n+1 is sent while step n
+runs: it `follows_step_id` n and names the tokens n samples as `append_sampled`). It is *incremental*, in the spirit of vLLM V1's
 SchedulerOutput: a request is sent in full once (`NewRequestData`, on admission or on resume
 after preemption) and afterwards only as deltas (`RunningRequestDelta`: tokens and blocks
 appended since the previous plan). So a decode step's plan has a size independent of context
@@ -71,6 +72,10 @@ class RunningRequestDelta:
     req_id: str
     new_token_ids: list[int]  # tokens the scheduler accepted since (sampled outputs)
     new_block_ids: list[int]  # blocks appended to the block table since
+    # Async scheduling: append the token this request sampled in the step the plan follows, which
+    # the scheduler has not seen yet (its chunk in that step was still running when this plan was
+    # built). Never set together with new_token_ids.
+    append_sampled: bool = False
 
 
 @dataclass(slots=True)
@@ -97,6 +102,9 @@ class StepPlan:
     running: list[RunningRequestDelta] = field(default_factory=list)
     # The work, in batch order. Each request appears at most once.
     chunks: list[ScheduledChunk] = field(default_factory=list)
+    # Set when this plan was built while step `follows_step_id` was in flight (async scheduling):
+    # the executor runs it only right after that step ran, since it builds on that step's state.
+    follows_step_id: int | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -81,6 +81,10 @@ class _Request:
     # Positions [0, kv_end) hold KV for this request. None until its first chunk ran: the first
     # chunk's num_computed_tokens (a prefix-cache hit) is taken on trust.
     kv_end: int | None = None
+    # The last token sampled for it and the step that sampled it, for a delta that says
+    # append_sampled (async scheduling: the scheduler had not seen the token yet).
+    last_sampled: int | None = None
+    sampled_in_step: int | None = None
     _block_tensor: torch.Tensor | None = field(default=None, repr=False)
 
     def block_tensor(self) -> torch.Tensor:
@@ -168,6 +172,7 @@ class ModelRunner:
         self.backend: AttentionBackend | None = None
         self.block_size: int | None = None
         self._requests: dict[str, _Request] = {}
+        self.last_step_id: int | None = None  # the last plan executed since initialize()
         self.last_layout: BatchLayout | None = None  # the last step's layout (debugging, tests)
 
     # ------------------------------------------------------------------------------ public API
@@ -199,8 +204,7 @@ class ModelRunner:
         backend_cls, reason = select_backend(self.config.attention_backend, self.device, self.dtype,
                                              self.spec.head_dim, block_size)
         backend_cls.check_block_size(block_size)
-        self._requests.clear()
-        self.last_layout = None
+        self.reset()
         # Free the old cache before sizing the new one from free memory.
         self.kv_cache = None
         self.backend = None
@@ -228,6 +232,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Drop all request state (the KV cache stays allocated)."""
         self._requests.clear()
+        self.last_step_id = None
         self.last_layout = None
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -248,6 +253,7 @@ class ModelRunner:
             raise RuntimeError("the executor is not initialized: call initialize(block_size) first")
         self._validate(plan)
         self._apply_state_changes(plan)
+        self.last_step_id = plan.step_id
         if not plan.chunks:
             return StepResult(plan.step_id, [], time.perf_counter() - t0), {}
 
@@ -280,6 +286,8 @@ class ModelRunner:
                           [c.end for c in batch.sample_chunks])
             sampled = [SampledToken(c.req_id, o.token_id, o.logprob, o.top_logprobs)
                        for c, o in zip(batch.sample_chunks, outs)]
+            for r, o in zip(reqs, outs):
+                r.last_sampled, r.sampled_in_step = o.token_id, plan.step_id
         return StepResult(plan.step_id, sampled, time.perf_counter() - t0), all_logits
 
     def _build_batch(self, chunks: list[ScheduledChunk]) -> _Batch:
@@ -347,6 +355,9 @@ class ModelRunner:
             self._requests[nr.req_id] = _Request(list(nr.token_ids), list(nr.block_ids), nr.sampling, seed)
         for d in plan.running:
             st = self._requests[d.req_id]
+            if d.append_sampled:
+                assert st.last_sampled is not None  # checked by _validate
+                st.token_ids.append(st.last_sampled)
             st.token_ids.extend(d.new_token_ids)
             st.block_ids.extend(d.new_block_ids)
 
@@ -354,6 +365,12 @@ class ModelRunner:
         """Raise PlanError for anything inconsistent; mutates nothing."""
         assert self.kv_cache is not None and self.block_size is not None
         vocab, nblocks, bs = self.spec.vocab_size, self.kv_cache.num_blocks, self.block_size
+
+        # A plan built while another step was in flight builds on that step's state.
+        follows = plan.follows_step_id
+        if follows is not None and follows != self.last_step_id:
+            raise PlanError(f"plan follows step {follows}, but the last step run is "
+                            f"{'none' if self.last_step_id is None else self.last_step_id}")
 
         # Unknown ids in finished_req_ids are ignored: dropping is idempotent, and a scheduler
         # may finish requests that never reached the executor (aborted while waiting).
@@ -394,6 +411,14 @@ class ModelRunner:
             self._check_tokens(d.new_token_ids, vocab, f"{where}: new_token_ids")
             self._check_blocks(d.new_block_ids, nblocks, f"{where}: new_block_ids")
             view.extra_tokens, view.extra_blocks = d.new_token_ids, d.new_block_ids
+            if d.append_sampled:
+                if d.new_token_ids:
+                    raise PlanError(f"{where}: append_sampled and new_token_ids together")
+                st = self._requests.get(d.req_id)
+                if follows is None or st is None or st.sampled_in_step != follows or st.last_sampled is None:
+                    raise PlanError(f"{where}: append_sampled, but the request sampled nothing in the step "
+                                    f"this plan follows ({'none' if follows is None else follows})")
+                view.extra_tokens = (st.last_sampled,)
 
         # Every slot written this step, per block: (first offset, end offset, req_id).
         writes: dict[int, list[tuple[int, int, str]]] = {}

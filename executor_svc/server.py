@@ -1,13 +1,17 @@
 """The executor's gRPC shell: a thin layer that decodes plans and hands them to the ModelRunner.
 
-Steps run one at a time (the runner owns the KV cache and per-request state); the lock makes
-that explicit rather than relying on the scheduler sending one plan at a time.
+Steps run one at a time (the runner owns the KV cache and per-request state), under one lock.
+With async scheduling the scheduler sends step n+1 while n runs, so two ExecuteStep calls can be
+here at once and the thread pool may pick them up in either order: a plan that says it follows
+step n waits (on the lock's condition) until n has run, and is refused with FAILED_PRECONDITION if
+n failed, so that it never runs on top of state n did not leave.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from concurrent import futures
 
@@ -24,13 +28,18 @@ from executor_svc.engine import ModelRunner, PlanError
 log = logging.getLogger("chunkwise.executor")
 
 MAX_BLOCK_SIZE = 1024
+# How long a plan waits for the step it follows when the call carries no deadline.
+FOLLOW_WAIT_SECONDS = 60.0
 
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
     def __init__(self, runner: ModelRunner):
         self._runner = runner
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # notified whenever a step was handled or the epoch changed
         self._epoch = ""  # empty until the first Initialize
+        # The last step of this epoch that was handled (run or refused), and whether it ran.
+        self._last_step: int | None = None
+        self._last_step_ran = False
         self._block_size = 0
         self._num_kv_blocks = 0
 
@@ -53,6 +62,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             # Every handshake starts a new epoch: the runner dropped all request state, so plans
             # built against an older epoch must be refused rather than half-applied.
             self._epoch = uuid.uuid4().hex
+            self._last_step, self._last_step_ran = None, False
+            self._lock.notify_all()  # plans waiting for a step of the old epoch give up
             self._block_size, self._num_kv_blocks = bs, num_blocks
             log.info("initialized: block_size=%d num_kv_blocks=%d epoch=%s", bs, num_blocks, self._epoch)
             return pb.InitializeResponse(
@@ -68,21 +79,48 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
     def ExecuteStep(self, request: pb.StepPlan, context) -> pb.StepResult:
         with self._lock:
-            if not context.is_active():  # the scheduler timed out on this step and resynchronises
-                context.abort(grpc.StatusCode.CANCELLED, "the caller went away before the step ran")
-            if not self._epoch:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "executor not initialized; call Initialize")
-            if request.executor_epoch != self._epoch:
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"plan is for executor epoch {request.executor_epoch!r}, current is {self._epoch!r}",
-                )
-            plan = codec.plan_from_proto(request)
+            self._check_epoch(request, context)
+            ran = False
             try:
-                result = self._runner.execute(plan)  # times itself: StepResult.execute_seconds
-            except PlanError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
-            return codec.result_to_proto(result)
+                if request.HasField("follows_step_id"):
+                    self._wait_for(request.follows_step_id, request, context)
+                if not context.is_active():  # the scheduler timed out on this step and resynchronises
+                    context.abort(grpc.StatusCode.CANCELLED, "the caller went away before the step ran")
+                plan = codec.plan_from_proto(request)
+                try:
+                    result = self._runner.execute(plan)  # times itself: StepResult.execute_seconds
+                except PlanError as e:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
+                ran = True
+                return codec.result_to_proto(result)
+            finally:
+                if request.executor_epoch == self._epoch:  # not when a handshake came meanwhile
+                    self._last_step, self._last_step_ran = request.step_id, ran
+                self._lock.notify_all()
+
+    def _check_epoch(self, request: pb.StepPlan, context) -> None:
+        if not self._epoch:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "executor not initialized; call Initialize")
+        if request.executor_epoch != self._epoch:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"plan is for executor epoch {request.executor_epoch!r}, current is {self._epoch!r}",
+            )
+
+    def _wait_for(self, follows: int, request: pb.StepPlan, context) -> None:
+        """Hold the lock's condition until step `follows` of this epoch has been handled."""
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + (FOLLOW_WAIT_SECONDS if remaining is None else remaining)
+        while self._last_step is None or self._last_step < follows:
+            left = deadline - time.monotonic()
+            if left <= 0 or not context.is_active():
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"step {request.step_id} follows step {follows}, which never arrived")
+            self._lock.wait(min(left, 1.0))
+            self._check_epoch(request, context)  # a new handshake dropped what the plan builds on
+        if self._last_step != follows or not self._last_step_ran:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"step {request.step_id} follows step {follows}, which did not run")
 
 
 def build_server(

@@ -23,6 +23,7 @@ class ServiceConfig:
     max_model_len: int | None = None  # default: the model's
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = True  # plan step n+1 while step n runs
     max_waiting_requests: int = 4096
     api_keys: tuple[str, ...] = field(default_factory=tuple)
     executor_connect_timeout: float = 300.0  # seconds to wait for the executor at start-up
@@ -110,6 +111,9 @@ class ServiceConfig:
                  default=cls.enable_prefix_caching, help="reuse the KV of shared prompt prefixes")
         add_flag(p, "--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                  default=cls.enable_chunked_prefill, help="split long prompts into budget-sized chunks")
+        add_flag(p, "--async-scheduling", action=argparse.BooleanOptionalAction, default=cls.async_scheduling,
+                 help="plan and send the next step while the executor runs the current one, so it never "
+                 "waits for the scheduler (--no-async-scheduling: one step at a time)")
         add_flag(p, "--max-waiting-requests", type=int, default=cls.max_waiting_requests,
                  help="queued requests beyond this are refused with RESOURCE_EXHAUSTED")
         add_flag(p, "--api-key", action="append", dest="api_keys", default=None,

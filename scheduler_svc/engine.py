@@ -1,10 +1,18 @@
 """The step loop: queue -> plan -> execute -> update -> stream.
 
 One asyncio task runs `Engine._run`. Each turn it asks the pure scheduler core for a `StepPlan`,
-awaits the executor's `StepResult` over gRPC (the event loop keeps serving clients meanwhile),
-feeds the result back to the core, and pushes each request's new tokens and text to that
-request's stream queue, which its `Generate` handler drains. All scheduler-core calls happen on
-the event loop thread, so the core needs no locks.
+sends it to the executor over gRPC (the event loop keeps serving clients meanwhile), awaits the
+oldest step's `StepResult`, feeds it back to the core, and pushes each request's new tokens and
+text to that request's stream queue, which its `Generate` handler drains. All scheduler-core calls
+happen on the event loop thread, so the core needs no locks.
+
+With async scheduling (the default; `--no-async-scheduling` turns it off) the loop keeps two steps
+at the executor: step n+1 is planned and sent while n runs, so the executor starts n+1 as soon as
+n is done instead of waiting for the scheduler, and the update, detokenising and streaming of n
+happen while n+1 runs. The order each turn is: update(n), stream n's outputs (a stop string found
+here ends the request before anything more is planned for it), plan and send n+2, await n+1. The
+core's docstring says how preemption, aborts, finishes and the prefix cache stay correct with a
+step in flight; a failed step drops every step behind it (`_recover`).
 """
 
 from __future__ import annotations
@@ -13,11 +21,12 @@ import asyncio
 import enum
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from chunkwise.logging_setup import RepeatedLog
-from chunkwise.plan import ExecutorInfo, SampledToken
+from chunkwise.plan import ExecutorInfo, SampledToken, StepPlan, StepResult
 from scheduler_svc.config import ServiceConfig
 from scheduler_svc.core import KVEvent, Request, RequestOutput, Scheduler, SchedulerConfig
 from scheduler_svc.detokenizer import IncrementalDetokenizer
@@ -58,6 +67,13 @@ class StreamEvent:
 
 
 @dataclass
+class _SentStep:
+    plan: StepPlan
+    call: asyncio.Task[StepResult]
+    sent_at: float  # time.perf_counter() when sent
+
+
+@dataclass
 class RequestStream:
     request_id: str
     queue: asyncio.Queue
@@ -94,6 +110,8 @@ class Engine:
         self.metrics = Metrics(lambda: self.scheduler.stats())
         # Who hears of prefix-index changes (the vLLM-protocol service's KV event streams).
         self._kv_event_sinks: list[Callable[[list[KVEvent]], object]] = []
+        self._sent: deque[_SentStep] = deque()  # steps at the executor, oldest first
+        self._last_result_at = 0.0  # perf_counter() when the last step's result came in
 
     @classmethod
     async def connect(cls, config: ServiceConfig, executor: ExecutorClient) -> Engine:
@@ -106,10 +124,12 @@ class Engine:
     def start(self) -> None:
         """Start the step loop (and the periodic status line) on the running event loop."""
         log.info(
-            "executor %s: %s, vocab %d, max_model_len %d, %d KV blocks of %d tokens, %s/%s, attention %s (decode: %s)",
+            "executor %s: %s, vocab %d, max_model_len %d, %d KV blocks of %d tokens, %s/%s, attention %s (decode: %s), "
+            "async scheduling %s",
             self.executor.address, self.info.architecture, self.info.vocab_size, self.max_model_len,
             self.info.num_kv_blocks, self.info.block_size, self.info.dtype, self.info.device,
             self.info.attention_backend, self.info.decode_attention or "unreported",
+            "on" if self.config.async_scheduling else "off",
         )
         self._task = asyncio.create_task(self._run(), name="step-loop")
         if self.config.stats_interval > 0:
@@ -128,6 +148,7 @@ class Engine:
             max_model_len=c.max_model_len or info.max_model_len,
             enable_prefix_caching=c.enable_prefix_caching,
             enable_chunked_prefill=c.enable_chunked_prefill,
+            async_scheduling=c.async_scheduling,
         )
         core.validate()  # checked here too because _adopt needs the answer before building a Scheduler
         core.validate_capacity(info.num_kv_blocks)
@@ -189,6 +210,7 @@ class Engine:
                     await task
                 except asyncio.CancelledError:
                     pass
+        await self._drop_sent()
 
     # ---- KV events ---------------------------------------------------------------------------
     def add_kv_event_sink(self, sink: Callable[[list[KVEvent]], object]) -> None:
@@ -287,28 +309,36 @@ class Engine:
                     except Exception:  # the core may be inconsistent; the reset below clears it
                         self._streams.pop(rid, None)
                 # The executor may hold state of requests we just dropped: a new epoch clears it.
+                await self._drop_sent()
                 self.scheduler.handle_executor_restart()
                 await self._reconnect()
 
     async def _run_steps(self) -> None:
         was_idle = False
+        sent = self._sent
         while True:
             self.publish_kv_events()  # e.g. the reset of a restart handled in the last iteration
-            if not self.scheduler.has_work():  # work includes executor state still to drop
-                self._wake.clear()
-                await self._wake.wait()
-                was_idle = True
-                continue
-            if was_idle:
-                was_idle = False
-                if not await self._executor_unchanged():
-                    # It restarted (or went away) while nothing ran: drop the prefix index before
-                    # any request is matched against KV that died with the old process.
-                    self.scheduler.handle_executor_restart()
-                    await self._reconnect()
+            if not sent:
+                if not self.scheduler.has_work():  # work includes executor state still to drop
+                    self._wake.clear()
+                    await self._wake.wait()
+                    was_idle = True
                     continue
-            plan = self.scheduler.schedule()
-            if plan.is_empty:
+                if was_idle:
+                    was_idle = False
+                    if not await self._executor_unchanged():
+                        # It restarted (or went away) while nothing ran: drop the prefix index
+                        # before any request is matched against KV that died with the old process.
+                        self.scheduler.handle_executor_restart()
+                        await self._reconnect()
+                        continue
+            # Plan ahead: as many steps as the core allows (two with async scheduling).
+            while self.scheduler.can_schedule() and self.scheduler.has_work():
+                plan = self.scheduler.schedule()
+                if plan.is_empty:
+                    break
+                sent.append(self._send(plan))
+            if not sent:
                 # Nothing fits this step (e.g. every waiting request needs blocks nobody frees
                 # until a stream is released); wait for a change rather than spin. An empty plan is
                 # not in flight, so there is nothing to update.
@@ -318,18 +348,43 @@ class Engine:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            started = time.perf_counter()
+            step = sent[0]
             try:
-                result = await self.executor.execute(plan, self.info.epoch)
+                result = await step.call
             except ExecutorError as e:
-                await self._recover(plan, e)
+                sent.popleft()
+                await self._drop_sent()  # every later step builds on this one
+                await self._recover(step.plan, e)
                 continue
-            wall = time.perf_counter() - started
-            self.metrics.observe_step(wall, result.execute_seconds)
-            self._dispatch(self.scheduler.update(plan, result))
+            sent.popleft()
+            now = time.perf_counter()
+            # A step sent behind another starts when that one's result is in.
+            self.metrics.observe_step(now - max(step.sent_at, self._last_result_at), result.execute_seconds)
+            self._last_result_at = now
+            self._dispatch(self.scheduler.update(step.plan, result))
             self.publish_kv_events()  # blocks registered now that the step that wrote them ran
             # Yield once per step so handlers can enqueue and streams can flush.
             await asyncio.sleep(0)
+
+    def _send(self, plan: StepPlan) -> _SentStep:
+        # A step queued behind another waits for it at the executor: its deadline covers both.
+        timeout = self.executor.step_timeout
+        if timeout is not None and plan.follows_step_id is not None:
+            timeout *= 2
+        call = asyncio.ensure_future(self.executor.execute(plan, self.info.epoch, timeout=timeout))
+        return _SentStep(plan, call, time.perf_counter())
+
+    async def _drop_sent(self) -> None:
+        """Cancel the calls of every step still at the executor and forget them."""
+        steps = list(self._sent)
+        self._sent.clear()
+        for step in steps:
+            step.call.cancel()
+        for step in steps:
+            try:
+                await step.call
+            except (asyncio.CancelledError, ExecutorError):
+                pass
 
     async def _executor_unchanged(self) -> bool:
         """Whether the executor still has the epoch of our handshake (one loopback call, made

@@ -34,12 +34,13 @@ def test_plan_roundtrip_keeps_every_field():
             ),
             NewRequestData("b", [9], [0], SamplingParams(temperature=0.0)),
         ],
-        running=[RunningRequestDelta("c", [11], []), RunningRequestDelta("d", [], [8])],
+        running=[RunningRequestDelta("c", [11], []), RunningRequestDelta("d", [], [8], append_sampled=True)],
         chunks=[
             ScheduledChunk("c", 40, 1, 40, True),
             ScheduledChunk("a", 0, 4, 0, True),
             ScheduledChunk("b", 0, 1, 1, False),
         ],
+        follows_step_id=6,
     )
     assert _roundtrip_plan(plan) == plan
 
@@ -47,6 +48,7 @@ def test_plan_roundtrip_keeps_every_field():
 def test_unset_optional_fields_stay_unset():
     plan = StepPlan(step_id=1, new_requests=[NewRequestData("a", [1], [0], SamplingParams())])
     back = _roundtrip_plan(plan)
+    assert back.follows_step_id is None
     assert back.new_requests[0].sampling.seed is None
     assert back.new_requests[0].sampling.num_logprobs is None
     # 0 is a meaningful value (the sampled token's logprob only) and must not read as unset
@@ -54,6 +56,8 @@ def test_unset_optional_fields_stay_unset():
     back = _roundtrip_plan(plan)
     assert back.new_requests[0].sampling.seed == 0
     assert back.new_requests[0].sampling.num_logprobs == 0
+    # and step 0 is a step a plan can follow
+    assert _roundtrip_plan(StepPlan(step_id=1, follows_step_id=0)).follows_step_id == 0
 
 
 def test_result_roundtrip():

@@ -87,14 +87,16 @@ class NewRequestData(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ExecSamplingParams, _Mapping]] = ...) -> None: ...
 
 class RunningRequestDelta(_message.Message):
-    __slots__ = ("req_id", "new_token_ids", "new_block_ids")
+    __slots__ = ("req_id", "new_token_ids", "new_block_ids", "append_sampled")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    APPEND_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, req_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    append_sampled: bool
+    def __init__(self, req_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., append_sampled: _Optional[bool] = ...) -> None: ...
 
 class ScheduledChunk(_message.Message):
     __slots__ = ("req_id", "num_computed_tokens", "num_tokens", "kv_write_start", "sample")
@@ -111,20 +113,22 @@ class ScheduledChunk(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ..., kv_write_start: _Optional[int] = ..., sample: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "executor_epoch", "finished_req_ids", "new_requests", "running", "chunks")
+    __slots__ = ("step_id", "executor_epoch", "finished_req_ids", "new_requests", "running", "chunks", "follows_step_id")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWS_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     executor_epoch: str
     finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequestData]
     running: _containers.RepeatedCompositeFieldContainer[RunningRequestDelta]
     chunks: _containers.RepeatedCompositeFieldContainer[ScheduledChunk]
-    def __init__(self, step_id: _Optional[int] = ..., executor_epoch: _Optional[str] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequestDelta, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ...) -> None: ...
+    follows_step_id: int
+    def __init__(self, step_id: _Optional[int] = ..., executor_epoch: _Optional[str] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequestDelta, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ..., follows_step_id: _Optional[int] = ...) -> None: ...
 
 class SampledTokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -64,8 +64,10 @@ class ExecutorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ExecuteStep(self, request, context):
-        """Runs one step. Fails with FAILED_PRECONDITION when the epoch is not the current one and with
-        INVALID_ARGUMENT when the plan is inconsistent (the executor's state is then unchanged).
+        """Runs one step. Fails with FAILED_PRECONDITION when the epoch is not the current one (or the
+        step a plan follows did not run) and with INVALID_ARGUMENT when the plan is inconsistent (the
+        executor's state is then unchanged). Steps run one at a time, in order: a plan that follows
+        another (async scheduling sends step n+1 while n runs) waits for it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

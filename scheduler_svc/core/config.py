@@ -25,6 +25,12 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # most requests running (holding KV) at once
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Allow the next step to be scheduled while one is in flight (two plans at most).
+    async_scheduling: bool = False
+
+    @property
+    def max_plans_in_flight(self) -> int:
+        return 2 if self.async_scheduling else 1
 
     def validate(self) -> None:
         """Raise ValueError naming every flag that is wrong, and why."""
@@ -33,7 +39,7 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be a bool, got {getattr(self, name)!r}")
         if problems:

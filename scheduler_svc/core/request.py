@@ -60,6 +60,12 @@ class Request:
     num_tokens_sent: int = field(default=0, init=False, repr=False)
     num_blocks_sent: int = field(default=0, init=False, repr=False)
     scheduled_in_step: int = field(default=-1, init=False, repr=False)
+    # Async scheduling (a step scheduled while the previous one is in flight). Positions
+    # [0, num_scheduled_tokens) are computed or being computed by a step in flight (equal to
+    # num_computed_tokens when none is); num_output_placeholders counts tokens that steps in flight
+    # will sample, which the next chunk builds on without knowing them.
+    num_scheduled_tokens: int = field(default=0, init=False, repr=False)
+    num_output_placeholders: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -1,11 +1,34 @@
 """The step scheduler: packs decodes and chunked prefills into one token budget, over a paged KV pool
 with automatic prefix caching.
 
-One step is `plan = schedule()`, the executor runs it, then `update(plan, result)`. At most one plan
-is in flight. Request state (`num_computed_tokens`, the prefix index) advances only in `update`, from
-what the executor reported as executed; `schedule` only decides and allocates. That ordering is what
-makes the seed's bug (blocks marked computed when scheduled, so the second chunk of a prompt skipped
-tokens 64..96) impossible here.
+One step is `plan = schedule()`, the executor runs it, then `update(plan, result)`. Request state
+(`num_computed_tokens`, the prefix index) advances only in `update`, from what the executor reported
+as executed; `schedule` only decides and allocates. That ordering is what makes the seed's bug
+(blocks marked computed when scheduled, so the second chunk of a prompt skipped tokens 64..96)
+impossible here.
+
+Async scheduling (`SchedulerConfig.async_scheduling`, vLLM V1's idea): `schedule()` may build step
+n+1 while step n is in flight, so the executor never waits for the scheduler; plans are then
+`update()`d in order, oldest first, and at most two are in flight. Step n+1 assumes every request
+that samples in n gets exactly one token: its next chunk starts where n's chunk ends
+(`num_scheduled_tokens`), and its input at that position is the token n samples, which the plan
+names (`append_sampled`) for the executor to fill in from its own state. How each hazard is handled:
+- Prefix cache: unchanged. A block is registered in `update(n)`, after n ran; plans already built
+  never hit it, later ones do. A request whose next block is being written by a step in flight is
+  held like any other pending block (its hash is pending until that update).
+- A request that finishes in `update(n)` (EOS, stop token, or a stop string the service finds)
+  may have a chunk in n+1: that chunk is computed and its token discarded (`update` skips finished
+  requests), so at most one extra token is computed and none is ever returned. Requests that will
+  finish by length are known in advance and get no chunk after their last one.
+- Freed blocks (finish, abort, preemption) may be handed out by the next `schedule()` while the old
+  owner's chunk is still in flight. That is safe because the executor runs steps strictly in order
+  (a plan says which step it follows), so the new owner's writes come after the old owner's last
+  use, and a chunk in flight never writes a block that is in the prefix index (it writes only
+  positions past the request's registered blocks).
+- Preemption may pick a request with a chunk in flight: it is reset as usual, and its results from
+  that step are ignored (each scheduled chunk remembers the request's incarnation, its
+  `num_preemptions`). Aborts while steps are in flight are the same as before: results ignored.
+- Executor restart: `handle_executor_restart()` drops every plan in flight.
 
 Order within a step:
 1. running requests that decode (one token left to compute), oldest first;
@@ -85,8 +108,9 @@ class SchedulerStats:
 class _InFlightStep:
     plan: StepPlan
     # The Request objects, not ids: an id aborted and re-added while the step runs must not receive
-    # the old request's results.
-    scheduled: list[tuple[Request, ScheduledChunk]]
+    # the old request's results. With each, its num_preemptions when scheduled: a request preempted
+    # while the step ran (async scheduling) must not receive them either.
+    scheduled: list[tuple[Request, ScheduledChunk, int]]
 
 
 class Scheduler:
@@ -100,7 +124,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()  # preempted requests go back to the front
         self._running: list[Request] = []  # oldest admission first; preemption takes from the end
         self._finished_ids_to_send: list[str] = []  # executor state to drop with the next plan
-        self._in_flight: _InFlightStep | None = None
+        self._in_flight: deque[_InFlightStep] = deque()  # oldest first
         self._next_step_id = 0
         self._counters = SchedulerStats()
 
@@ -169,23 +193,34 @@ class Scheduler:
 
     @property
     def has_plan_in_flight(self) -> bool:
-        return self._in_flight is not None
+        return bool(self._in_flight)
+
+    @property
+    def num_plans_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def can_schedule(self) -> bool:
+        """Whether schedule() may be called now (fewer plans in flight than the config allows)."""
+        return len(self._in_flight) < self.config.max_plans_in_flight
 
     # ----- scheduling -----
 
     def schedule(self) -> StepPlan:
-        """Decide the next step. Raises RuntimeError if the previous plan has not been update()d.
+        """Decide the next step. Raises RuntimeError if as many plans as allowed (one, or two with
+        async scheduling) are in flight.
 
         A plan that `is_empty` is not in flight: there is nothing to execute, and update() with it is
         optional. Any other plan must be executed and then passed to update() with its result.
         """
-        if self._in_flight is not None:
+        if not self.can_schedule():
             raise RuntimeError(
-                f"step {self._in_flight.plan.step_id} is still in flight: call update() with its result "
+                f"step {self._in_flight[0].plan.step_id} is still in flight: call update() with its result "
                 f"(or handle_executor_restart()) before scheduling another"
             )
         step_id = self._next_step_id
         plan = StepPlan(step_id=step_id)
+        if self._in_flight:
+            plan.follows_step_id = self._in_flight[-1].plan.step_id
         scheduled: list[tuple[Request, ScheduledChunk]] = []
         budget = self.config.max_num_batched_tokens
         num_preempted_before = self._counters.preemptions
@@ -213,7 +248,9 @@ class Scheduler:
         while index < len(running):  # the list shrinks from the end when we preempt
             req = running[index]
             index += 1
-            if req.num_tokens - req.num_computed_tokens > 1:
+            if req.num_output_placeholders and self._finishes_by_length(req):
+                continue  # its token in flight is its last: nothing more to compute
+            if req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens > 1:
                 partial_prefills.append(req)
                 continue
             if not schedule_running(req):
@@ -226,16 +263,21 @@ class Scheduler:
             if not schedule_running(req):
                 break
 
-        # Deltas for the running requests scheduled so far (new ones are sent whole below).
-        for req, _ in scheduled:
-            plan.running.append(
-                RunningRequestDelta(
-                    req_id=req.req_id,
-                    new_token_ids=req.all_token_ids[req.num_tokens_sent :],
-                    new_block_ids=req.block_ids[req.num_blocks_sent :],
-                )
+        # Deltas for the running requests scheduled so far (new ones are sent whole below). A
+        # request whose chunk in the step in flight samples builds on that unknown token: the
+        # executor appends it itself (and so will know one token more than we do until update).
+        for req, chunk in scheduled:
+            delta = RunningRequestDelta(
+                req_id=req.req_id,
+                new_token_ids=req.all_token_ids[req.num_tokens_sent :],
+                new_block_ids=req.block_ids[req.num_blocks_sent :],
             )
             req.num_tokens_sent = req.num_tokens
+            if req.num_output_placeholders > int(chunk.sample):
+                assert not delta.new_token_ids, "a token in flight after one not yet sent"
+                delta.append_sampled = True
+                req.num_tokens_sent += 1
+            plan.running.append(delta)
             req.num_blocks_sent = len(req.block_ids)
 
         # 3. Waiting requests, FCFS, stopping at the first that does not fit.
@@ -254,15 +296,15 @@ class Scheduler:
                 if pending and self._next_block_is_pending(req, pending):
                     held.append(waiting.popleft())
                     continue
-                chunk = self._admit(req, budget, step_id)
-                if chunk is None:
+                admitted = self._admit(req, budget, step_id)
+                if admitted is None:
                     break
                 waiting.popleft()
                 if self.config.enable_prefix_caching:
                     pending.update(self._uncomputed_full_block_hashes(req))
                 running.append(req)
-                budget -= chunk.num_tokens
-                scheduled.append((req, chunk))
+                budget -= admitted.num_tokens
+                scheduled.append((req, admitted))
                 plan.new_requests.append(
                     NewRequestData(
                         req_id=req.req_id,
@@ -282,8 +324,15 @@ class Scheduler:
         self._finished_ids_to_send = []
         if not plan.is_empty:
             self._next_step_id += 1
-            self._in_flight = _InFlightStep(plan=plan, scheduled=scheduled)
+            self._in_flight.append(_InFlightStep(
+                plan=plan, scheduled=[(req, chunk, req.num_preemptions) for req, chunk in scheduled]))
         return plan
+
+    def _finishes_by_length(self, req: Request) -> bool:
+        """Whether the request ends by length once the tokens in flight are in (async scheduling)."""
+        pending = req.num_output_placeholders
+        return (req.num_output_tokens + pending >= req.max_tokens
+                or req.num_tokens + pending >= self.config.max_model_len)
 
     def _chunk_length(self, start: int, remaining: int, budget: int) -> int:
         """Tokens to compute from position `start`, given `remaining` uncomputed known tokens. 0: none."""
@@ -311,8 +360,9 @@ class Scheduler:
         In a step where nothing else was scheduled, that is exactly what happens, so no step of a
         non-empty scheduler is empty and there is no deadlock.
         """
-        start = req.num_computed_tokens
-        num_tokens = self._chunk_length(start, req.num_tokens - start, budget)
+        start = req.num_scheduled_tokens  # past any chunk of the step in flight
+        num_known = req.num_tokens + req.num_output_placeholders
+        num_tokens = self._chunk_length(start, num_known - start, budget)
         if num_tokens == 0:
             return None
         end = start + num_tokens
@@ -326,12 +376,15 @@ class Scheduler:
                 self._preempt(victim_index)
             req.block_ids.extend(pool.allocate(num_new_blocks))
         req.scheduled_in_step = step_id
+        req.num_scheduled_tokens = end
+        sample = end == num_known
+        req.num_output_placeholders += sample
         return ScheduledChunk(
             req_id=req.req_id,
             num_computed_tokens=start,
             num_tokens=num_tokens,
             kv_write_start=start,
-            sample=end == req.num_tokens,
+            sample=sample,
         )
 
     def _newest_preemptible_index(self, req: Request, step_id: int) -> int | None:
@@ -359,7 +412,7 @@ class Scheduler:
     def _reset_for_recompute(self, req: Request) -> None:
         self.block_pool.release(req.block_ids)
         req.block_ids = []
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_scheduled_tokens = req.num_output_placeholders = 0
         req.num_registered_blocks = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -429,6 +482,8 @@ class Scheduler:
         req.admission_pending = True
         req.status = RequestStatus.RUNNING
         req.scheduled_in_step = step_id
+        req.num_scheduled_tokens = end
+        req.num_output_placeholders = int(end == num_tokens_known)
         return ScheduledChunk(
             req_id=req.req_id,
             num_computed_tokens=start,
@@ -467,34 +522,36 @@ class Scheduler:
         sampled tokens, apply stop conditions, free finished requests. Returns one RequestOutput per
         request that got a token.
 
-        RuntimeError if `plan` is not the plan in flight (updated twice, or made stale by
-        handle_executor_restart). ValueError if the result misses a token the plan asked for; state is
-        then unchanged and the plan stays in flight.
+        RuntimeError if `plan` is not the oldest plan in flight (updated twice, out of order, or made
+        stale by handle_executor_restart). ValueError if the result misses a token the plan asked for;
+        state is then unchanged and the plan stays in flight.
         """
-        in_flight = self._in_flight
+        in_flight = self._in_flight[0] if self._in_flight else None
         if in_flight is None or plan is not in_flight.plan:
             if in_flight is None and plan.is_empty:
                 return []
             raise RuntimeError(
-                f"plan {plan.step_id} is not the plan in flight "
-                f"({'none' if in_flight is None else in_flight.plan.step_id}): updated twice, or stale "
-                f"after handle_executor_restart()"
+                f"plan {plan.step_id} is not the oldest plan in flight "
+                f"({'none' if in_flight is None else in_flight.plan.step_id}): updated twice, out of "
+                f"order, or stale after handle_executor_restart()"
             )
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} given for plan {plan.step_id}")
         sampled = result.by_request()
-        for req, chunk in in_flight.scheduled:
-            if chunk.sample and not req.is_finished and chunk.req_id not in sampled:
+        live = [(req, chunk) for req, chunk, incarnation in in_flight.scheduled
+                # Aborted or finished by the service, or preempted, while the step ran: its results
+                # are ignored (and nothing is registered for it).
+                if not req.is_finished and req.num_preemptions == incarnation]
+        for _, chunk in live:
+            if chunk.sample and chunk.req_id not in sampled:
                 raise ValueError(f"step {plan.step_id}: no sampled token for {chunk.req_id!r}, whose chunk asked for one")
 
-        self._in_flight = None
+        self._in_flight.popleft()
         self._counters.steps += 1
         caching = self.config.enable_prefix_caching
         outputs: list[RequestOutput] = []
         any_finished = False
-        for req, chunk in in_flight.scheduled:
-            if req.is_finished:
-                continue  # aborted or finished by the service while the step ran: ignore its results
+        for req, chunk in live:
             if req.admission_pending:
                 self._commit_admission(req, chunk)
             self._count_computed(req, chunk)
@@ -503,6 +560,7 @@ class Scheduler:
                 self._register_computed_blocks(req)
             if not chunk.sample:
                 continue
+            req.num_output_placeholders -= 1
             token = sampled[req.req_id]
             req.append_output_token(token.token_id)
             reason = self._stop_reason(req, token.token_id)
@@ -596,7 +654,7 @@ class Scheduler:
         the waiting queue, and the prefix cache is reset, since the KV it indexes is gone. The next
         plan re-sends every resumed request in full and drops nothing.
         """
-        self._in_flight = None
+        self._in_flight.clear()
         for req in reversed(self._running):
             self._reset_for_recompute(req)
             self._waiting.appendleft(req)

@@ -106,6 +106,15 @@ CASES = {
                   r"sampling.min_p"),
     "bad num_logprobs": (StepPlan(2, new_requests=[NewRequestData("b", [1], [9], SamplingParams(num_logprobs=-1))]),
                          r"sampling.num_logprobs"),
+    "append_sampled in a plan that follows no step": (
+        StepPlan(2, running=[RunningRequestDelta("a", [], [], append_sampled=True)],
+                 chunks=[ScheduledChunk("a", 10, 1, 10, True)]),
+        r"running request 'a': append_sampled, but the request sampled nothing in the step this plan follows \(none\)"),
+    "a plan that follows a step other than the last one run": (
+        decode_a(follows_step_id=0), r"plan follows step 0, but the last step run is 1"),
+    "append_sampled with new_token_ids": (
+        decode_a(follows_step_id=1, running=[RunningRequestDelta("a", [7], [], append_sampled=True)]),
+        r"running request 'a': append_sampled and new_token_ids together"),
     "beyond max_model_len": (  # (the repeated block 0 is never reached: the length check comes first)
         StepPlan(2, new_requests=[NewRequestData("b", [5] * 513, list(range(5, 16)) + [0] * 54, GREEDY)],
                  chunks=[ScheduledChunk("b", 0, 513, 0, True)]),
@@ -153,3 +162,26 @@ def test_unknown_finished_ids_are_ignored_and_preempt_resume_works(runner):
 
 def test_plan_error_is_a_value_error():
     assert issubclass(PlanError, ValueError)
+
+
+def test_append_sampled_equals_sending_the_sampled_token(runner, tiny_llama_path):
+    """Async scheduling's delta (the executor appends the token it sampled in the step the plan
+    follows) computes exactly what the explicit delta does."""
+    sampled = runner.execute(decode_a(follows_step_id=None)).sampled[0].token_id  # step 2, token after 7
+    blind = runner.execute(StepPlan(3, follows_step_id=2, running=[RunningRequestDelta("a", [], [], append_sampled=True)],
+                                    chunks=[ScheduledChunk("a", 11, 1, 11, True)]))
+    assert runner._requests["a"].token_ids[-1] == sampled
+    control = make_runner(tiny_llama_path, block_size=BS, num_kv_blocks=NUM_BLOCKS)
+    control.execute(StepPlan(1, new_requests=[NewRequestData("a", list(range(10, 20)), [3, 4], GREEDY)],
+                             chunks=[ScheduledChunk("a", 0, 10, 0, True)]))
+    control.execute(decode_a())
+    explicit = control.execute(StepPlan(3, running=[RunningRequestDelta("a", [sampled], [])],
+                                        chunks=[ScheduledChunk("a", 11, 1, 11, True)]))
+    assert blind.sampled == explicit.sampled
+    # 'a' sampled nothing in step 4 (only 'b' ran): it has no token to append from it.
+    plan = StepPlan(4, follows_step_id=3, new_requests=[NEW_B], chunks=[CHUNK_B])
+    runner.execute(plan)
+    with pytest.raises(PlanError, match=r"running request 'a': append_sampled, but the request sampled nothing .*\(4\)"):
+        runner.execute(StepPlan(5, follows_step_id=4, running=[
+            RunningRequestDelta("a", [], [], append_sampled=True), RunningRequestDelta("b", [], [], append_sampled=True)]))
+    assert runner.last_step_id == 4

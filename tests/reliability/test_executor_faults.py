@@ -30,7 +30,10 @@ KV_BLOCKS = 64
 
 @pytest.fixture(scope="module")
 def dep(model_dir):
-    with Deployment(model_dir, ["--num-kv-blocks", str(KV_BLOCKS)], ["--executor-wait-timeout", "120"]).start() as d:
+    # Async scheduling (the default; said here because the kills below are meant to find the next
+    # step already planned and sent behind the one running).
+    with Deployment(model_dir, ["--num-kv-blocks", str(KV_BLOCKS)],
+                    ["--executor-wait-timeout", "120", "--async-scheduling"]).start() as d:
         yield d
 
 

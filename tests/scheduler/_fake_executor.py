@@ -9,10 +9,16 @@ step. That lets it check what the real attention would silently get wrong:
 - per request and per incarnation (admission or resume), computed positions are contiguous, never
   repeated and never skipped: a coverage bitmap, the check that would have caught the seed's bug;
 - KV is only ever written into blocks no other request holds, and never into an indexed block.
+
+With async scheduling the scheduler builds plan n+1 before n is executed; `Pipeline` drives that
+the way the engine does (schedule ahead, then execute and update the oldest), and the fake checks
+that a plan runs right after the step it follows and that `append_sampled` names a token that
+step really sampled.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from chunkwise.plan import SampledToken, StepPlan, StepResult, validate_chunk_geometry
@@ -37,6 +43,7 @@ class _RequestState:
     incarnation: int
     next_position: int | None = None  # where the next chunk must start; None before the first chunk
     covered: bytearray = field(default_factory=bytearray)  # 1 = cached or computed in this incarnation
+    last_sampled: tuple[int, int] | None = None  # (token, step id) of its last sample
 
 
 @dataclass
@@ -79,6 +86,9 @@ class FakeExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         if self.last_step_id is not None and plan.step_id <= self.last_step_id:
             self._fail(f"step ids must increase: {plan.step_id} after {self.last_step_id}")
+        if plan.follows_step_id is not None and plan.follows_step_id != self.last_step_id:
+            self._fail(f"step {plan.step_id} follows {plan.follows_step_id}, but the last step run is {self.last_step_id}")
+        previous_step = self.last_step_id
         self.last_step_id = plan.step_id
         self.current_step += 1
         self.num_steps += 1
@@ -111,6 +121,14 @@ class FakeExecutor:
                 self._fail(f"delta for {delta.req_id!r}, which the executor does not hold")
             if delta.req_id in sent_in_plan:
                 self._fail(f"{delta.req_id!r} sent twice in one plan")
+            if delta.append_sampled:
+                if delta.new_token_ids:
+                    self._fail(f"{delta.req_id!r}: append_sampled with new_token_ids")
+                if plan.follows_step_id is None or state.last_sampled is None \
+                        or state.last_sampled[1] != previous_step:
+                    self._fail(f"{delta.req_id!r}: append_sampled, but it sampled nothing in the previous step "
+                               f"(last sample {state.last_sampled}, previous step {previous_step})")
+                state.tokens.append(state.last_sampled[0])
             state.tokens.extend(delta.new_token_ids)
             state.block_ids.extend(delta.new_block_ids)
             self._hold(delta.req_id, delta.new_block_ids)
@@ -166,7 +184,9 @@ class FakeExecutor:
             incarnation.end = end
             self.total_computed += chunk.num_tokens
             if chunk.sample:
-                sampled.append(SampledToken(rid, fake_next_token(state.tokens)))
+                token = fake_next_token(state.tokens)
+                state.last_sampled = (token, plan.step_id)
+                sampled.append(SampledToken(rid, token))
         return StepResult(step_id=plan.step_id, sampled=sampled)
 
     def _check_kv(self, state: _RequestState, rid: str, p: int, step: int, what: str) -> None:
@@ -198,6 +218,43 @@ def run_step(scheduler: Scheduler, executor: FakeExecutor):
         return plan, []
     result = executor.execute(plan)
     return plan, scheduler.update(plan, result)
+
+
+class Pipeline:
+    """The engine's step loop without the engine: schedule as far ahead as the scheduler allows
+    (one plan, or two with async scheduling), then execute and update the oldest plan. With one
+    plan in flight this is exactly `run_step`."""
+
+    def __init__(self, scheduler: Scheduler, executor: FakeExecutor) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.pending: deque[StepPlan] = deque()  # sent, not yet executed and updated
+        # What the last fill() scheduled, each with the number of preemptions its schedule() made.
+        self.scheduled: list[tuple[StepPlan, int]] = []
+
+    def fill(self) -> None:
+        self.scheduled = []
+        while self.scheduler.can_schedule():
+            preemptions = self.scheduler.stats().preemptions
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                return
+            self.scheduled.append((plan, self.scheduler.stats().preemptions - preemptions))
+            self.pending.append(plan)
+
+    def step(self):
+        """Fill, then run the oldest plan. Returns (plan, outputs); (None, []) when nothing is left."""
+        self.fill()
+        if not self.pending:
+            return None, []
+        plan = self.pending.popleft()
+        return plan, self.scheduler.update(plan, self.executor.execute(plan))
+
+    def restart(self) -> None:
+        """The executor died: plans in flight are lost."""
+        self.pending.clear()
+        self.executor.restart()
+        self.scheduler.handle_executor_restart()
 
 
 def run_until_done(scheduler: Scheduler, executor: FakeExecutor, max_steps: int = 100_000) -> list:
@@ -271,7 +328,11 @@ def check_invariants(scheduler: Scheduler, executor: FakeExecutor | None = None)
 
     for req in running:
         assert req.num_computed_tokens < req.num_tokens
-        assert len(req.block_ids) * bs >= req.num_computed_tokens
+        assert req.num_computed_tokens <= req.num_scheduled_tokens <= req.num_tokens + req.num_output_placeholders
+        assert 0 <= req.num_output_placeholders <= scheduler.num_plans_in_flight
+        if not scheduler.has_plan_in_flight:
+            assert req.num_scheduled_tokens == req.num_computed_tokens and req.num_output_placeholders == 0
+        assert len(req.block_ids) * bs >= req.num_scheduled_tokens
         if executor is not None:
             # Whatever the scheduler believes computed has KV in this request's blocks.
             for p in range(req.num_computed_tokens):

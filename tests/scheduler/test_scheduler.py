@@ -75,7 +75,7 @@ def test_at_most_one_plan_in_flight():
         scheduler.schedule()
     result = executor.execute(plan)
     scheduler.update(plan, result)
-    with pytest.raises(RuntimeError, match="not the plan in flight"):
+    with pytest.raises(RuntimeError, match="not the oldest plan in flight"):
         scheduler.update(plan, result)
 
 
@@ -362,7 +362,7 @@ def test_executor_restart_resends_running_requests_in_full_and_recomputes_them()
     in_flight = scheduler.schedule()
     executor.restart()  # the executor died with the plan: its KV and request state are gone
     scheduler.handle_executor_restart()
-    with pytest.raises(RuntimeError, match="not the plan in flight"):
+    with pytest.raises(RuntimeError, match="not the oldest plan in flight"):
         scheduler.update(in_flight, StepResult(in_flight.step_id))
     assert scheduler.block_pool.num_indexed_blocks == 0 and scheduler.num_running == 0
     plan = scheduler.schedule()

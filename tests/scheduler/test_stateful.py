@@ -1,5 +1,8 @@
 """Property tests: random admit / schedule / execute / cancel / finish / restart sequences keep every
-invariant, and every request finishes in bounded steps whenever one max_model_len request fits."""
+invariant, and every request finishes in bounded steps whenever one max_model_len request fits.
+
+Both with one plan in flight and with async scheduling (the next plan built before the one in flight
+is executed, as the engine's pipeline does it): the draw of the config picks one."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -9,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from chunkwise.plan import StepResult
 from scheduler_svc.core import Request, Scheduler, SchedulerConfig
 
-from ._fake_executor import VOCAB_SIZE, FakeExecutor, check_invariants, expected_outputs_ok, run_step
+from ._fake_executor import VOCAB_SIZE, FakeExecutor, Pipeline, check_invariants, expected_outputs_ok
 
 # A few base sequences; prompts take a prefix of one and add a random tail, so prefixes are shared.
 BASES = [[(b * 37 + i * 11 + 3) % VOCAB_SIZE for i in range(64)] for b in range(3)]
@@ -32,6 +35,7 @@ def configs(draw):
         max_num_seqs=draw(st.integers(1, 5)),
         enable_prefix_caching=caching,
         enable_chunked_prefill=chunked,
+        async_scheduling=draw(st.booleans()),
     )
     min_blocks = -(-max_model_len // block_size)
     # Often exactly one max_model_len request's worth: the tightest pool the scheduler must live with.
@@ -68,6 +72,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         config, num_blocks = setup
         self.scheduler = Scheduler(config, num_blocks)
         self.executor = FakeExecutor(num_blocks, config.block_size, self.scheduler)
+        self.pipeline = Pipeline(self.scheduler, self.executor)
 
     @rule(data=st.data(), count=st.integers(1, 3))
     def add_requests(self, data, count):
@@ -92,33 +97,45 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _live(self):
         return [r for r in self.all_requests if not r.is_finished]
 
+    def _step(self):
+        had_work = self.scheduler.has_unfinished_requests()
+        plan, outputs = self.pipeline.step()
+        if had_work:
+            assert plan is not None, "nothing scheduled while requests were unfinished"
+            if not self.scheduler.config.async_scheduling:
+                # (With a plan in flight, the next may hold only drops: e.g. every running
+                # request's last token is in flight.)
+                assert plan.chunks, "a step scheduled nothing while requests were unfinished"
+        for scheduled, preempted in self.pipeline.scheduled:
+            if preempted:
+                assert not scheduled.new_requests, "admitted a waiting request in a step that preempted"
+        for out in outputs:
+            assert len(out.new_token_ids) == 1
+        return plan, outputs
+
     @rule(num_steps=st.integers(1, 8))
     def steps(self, num_steps):
         for _ in range(num_steps):
-            had_work = self.scheduler.has_unfinished_requests()
-            preemptions = self.scheduler.stats().preemptions
-            plan, outputs = run_step(self.scheduler, self.executor)
-            if had_work:
-                assert plan.chunks, "a step scheduled nothing while requests were unfinished"
-            if self.scheduler.stats().preemptions > preemptions:
-                assert not plan.new_requests, "admitted a waiting request in a step that preempted"
-            for out in outputs:
-                assert len(out.new_token_ids) == 1
+            self._step()
             check_invariants(self.scheduler, self.executor)
 
     @rule(data=st.data())
     def step_with_cancel_in_flight(self, data):
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
+        self.pipeline.fill()
+        in_flight = list(self.pipeline.pending)
+        if not in_flight:
             return
-        victim = data.draw(st.sampled_from([c.req_id for c in plan.chunks] or [None]))
+        victim = data.draw(st.sampled_from(sorted({c.req_id for p in in_flight for c in p.chunks}) or [None]))
         how = data.draw(st.sampled_from(["abort", "stop"]))
         victim_req = self.scheduler.get_request(victim) if victim else None
         computed_before = victim_req.num_computed_tokens if victim_req else 0
         if victim_req is not None:
             assert self.scheduler.finish_request(victim, how)
             assert not victim_req.block_ids
-        outputs = self.scheduler.update(plan, self.executor.execute(plan))
+        outputs = []
+        for plan in in_flight:  # the plans in flight at the cancel, and only them
+            assert self.pipeline.pending.popleft() is plan
+            outputs += self.scheduler.update(plan, self.executor.execute(plan))
         if victim_req is not None:
             # Its results were ignored: no output, no progress, nothing registered for it.
             assert victim not in {o.req_id for o in outputs}
@@ -139,12 +156,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.scheduler.reset_prefix_cache()
             assert self.scheduler.stats().kv_blocks_cached == 0
         elif event.startswith("restart"):
-            plan = self.scheduler.schedule() if event == "restart_with_plan_in_flight" else None
-            self.executor.restart()
-            self.scheduler.handle_executor_restart()
+            if event == "restart_with_plan_in_flight":
+                self.pipeline.fill()
+            in_flight = list(self.pipeline.pending)
+            self.pipeline.restart()
             assert self.scheduler.block_pool.num_indexed_blocks == 0
-            assert self.scheduler.num_running == 0
-            if plan is not None and not plan.is_empty:
+            assert self.scheduler.num_running == 0 and not self.scheduler.has_plan_in_flight
+            for plan in in_flight:
                 with pytest.raises(RuntimeError):
                     self.scheduler.update(plan, StepResult(plan.step_id))
 
@@ -162,10 +180,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         # Drain: everything finishes, and then nothing leaks.
         for _ in range(5000):
-            if not self.scheduler.has_work():
+            if not self.scheduler.has_work() and not self.pipeline.pending:
                 break
-            plan, _ = run_step(self.scheduler, self.executor)
-            assert not plan.is_empty
+            plan, _ = self.pipeline.step()
+            assert plan is not None and not plan.is_empty
         else:
             raise AssertionError("requests did not finish")
         check_invariants(self.scheduler, self.executor)
@@ -195,6 +213,7 @@ def test_every_request_finishes_in_bounded_steps(setup, data):
     config, num_blocks = setup
     scheduler = Scheduler(config, num_blocks)
     executor = FakeExecutor(num_blocks, config.block_size, scheduler)
+    pipeline = Pipeline(scheduler, executor)
     with_stops = data.draw(st.booleans())
     specs = data.draw(st.lists(request_specs(config.max_model_len, with_stops), min_size=1, max_size=8))
     arrivals = data.draw(st.lists(st.integers(0, 6), min_size=len(specs), max_size=len(specs)))
@@ -212,15 +231,17 @@ def test_every_request_finishes_in_bounded_steps(setup, data):
         for req, arrival in zip(reqs, arrivals):
             if arrival == step:
                 scheduler.add_request(req)
-        if step > max(arrivals) and not scheduler.has_work():
+        if step > max(arrivals) and not scheduler.has_work() and not pipeline.pending:
             break
         had_work = scheduler.has_unfinished_requests()
-        preemptions = scheduler.stats().preemptions
-        plan, _ = run_step(scheduler, executor)
+        plan, _ = pipeline.step()
         if had_work:
-            assert plan.chunks, f"step {step}: nothing scheduled with {scheduler.num_waiting} waiting, {scheduler.num_running} running"
-        if scheduler.stats().preemptions > preemptions:
-            assert not plan.new_requests, "admitted a waiting request in a step that preempted"
+            assert plan is not None, f"step {step}: nothing scheduled with {scheduler.num_waiting} waiting, {scheduler.num_running} running"
+            if not config.async_scheduling:
+                assert plan.chunks, f"step {step}: nothing scheduled with {scheduler.num_waiting} waiting"
+        for scheduled, preempted in pipeline.scheduled:
+            if preempted:
+                assert not scheduled.new_requests, "admitted a waiting request in a step that preempted"
         step += 1
     else:
         raise AssertionError(f"not finished after {bound} steps")
