@@ -1,6 +1,11 @@
-"""Scheduler + gRPC overhead per step: the share of a saturated run in which the executor is idle.
+"""Scheduler + gRPC overhead per step: the share of a saturated run in which the executor is idle,
+with async scheduling on and off, side by side.
 
     .venv/bin/python bench/overhead.py [--repeats 3] [--json bench/results/overhead.json]
+
+Each model gets two stacks, `--async-scheduling` and `--no-async-scheduling`, started once; each
+round runs every workload on both, in alternating order (one stack runs at a time, the other is
+idle), and the paired ratio async/sync of each round's throughput is reported with its spread.
 
 What is measured, from the scheduler's Prometheus endpoint (no instrumentation of our own):
 - executor compute: the sum of the executor's reported `execute_seconds`
@@ -12,7 +17,10 @@ What is measured, from the scheduler's Prometheus endpoint (no instrumentation o
 idle = wall - compute: scheduling, the RPC's own cost, detokenising and streaming to clients,
 and the event loop's turns. idle / wall is the fraction asked for; idle / steps is the cost of a
 step. The first and last few steps of a run have less than the full batch, which is real
-overhead too.
+overhead too. With async scheduling most of that work overlaps the next step, so idle is what is
+left of it: the executor waits only when the plan for its next step is not there yet.
+Also reported: the cost of encoding and decoding one plan and one result (codec + protobuf, both
+sides), measured in-process for the shapes of the workloads.
 
 Three workloads on the same stack (CP+PC, budget 1024):
 - prefill-heavy: the seed's shape (637-token prompts, 64 outputs), steps of ~1000 tokens;
@@ -42,6 +50,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from chunkwise_tools import loadtest as lt  # noqa: E402
 
 
+MODES = {"async": ["--async-scheduling"], "sync": ["--no-async-scheduling"]}
 WORKLOADS = {
     "prefill-heavy": dict(num=32, input_len=637, prefix_len=180, groups=8, output_len=64),
     "decode-heavy": dict(num=32, input_len=64, prefix_len=0, groups=1, output_len=128),
@@ -52,7 +61,7 @@ async def run(ns) -> dict:
     from chunkwise.model_source import resolve_model
 
     scheduler = ["--max-model-len", "1024", "--max-num-batched-tokens", "1024"]
-    targets = [("SmolLM2-135M", str(resolve_model(ns.model)), ["--dtype", ns.dtype], list(WORKLOADS))]
+    targets = [] if ns.tiny_only else [("SmolLM2-135M", str(resolve_model(ns.model)), ["--dtype", ns.dtype], list(WORKLOADS))]
     if not ns.no_tiny:
         from model_fixtures import make_tiny_checkpoint
 
@@ -62,39 +71,89 @@ async def run(ns) -> dict:
     rows = []
     for model_name, model_dir, executor_args, workloads in targets:
         vocab = lt.model_vocab_size(model_dir)
-        ms = await asyncio.to_thread(lt.ManagedStack, model_dir, lt.ServerConfig("CP+PC", scheduler), executor_args)
+        stacks = {}
         try:
+            for mode, flags in MODES.items():
+                stacks[mode] = await asyncio.to_thread(
+                    lt.ManagedStack, model_dir, lt.ServerConfig(f"CP+PC {mode}", [*scheduler, *flags]), executor_args)
             for rnd in range(ns.repeats):
                 for w in workloads:
                     spec = WORKLOADS[w]
                     reqs = lt.random_dataset(spec["num"], input_len=spec["input_len"], output_len=spec["output_len"],
                                              prefix_len=spec["prefix_len"], num_prefix_groups=spec["groups"],
                                              vocab_size=vocab, seed=rnd)
-                    res = await lt.run_load(lt.ChunkwiseBackend(ms.address), reqs, cache_salt=f"ov-{rnd}-{w}",
-                                            label=w, warmup=lt.warmup_requests(2, vocab, rnd), probe=ms.step_times,
-                                            keep_itl=False, max_duration=600, request_timeout=600)
-                    ov = res["step_overhead"] or {}
-                    row = {"model": model_name, "workload": w, "round": rnd, "duration_s": res["duration_s"],
-                           "failed": res["failed"], "loadavg_1m": os.getloadavg()[0], **ov}
-                    rows.append(row)
-                    print(f"{model_name:13s} {w:14s} r{rnd}: {res['duration_s']:6.1f} s, {ov.get('steps', 0):5.0f} steps, "
-                          f"executor {ov.get('executor_ms_per_step', 0):7.2f} ms/step, idle "
-                          f"{ov.get('idle_ms_per_step', 0):6.2f} ms/step = {ov.get('executor_idle_fraction', 0):6.1%} "
-                          f"(in RPC {ov.get('rpc_fraction', 0):5.1%}), exec CPU {ov.get('executor_cpu_utilization', 0):4.0%}",
-                          flush=True)
+                    order = list(MODES) if rnd % 2 == 0 else list(reversed(MODES))
+                    for mode in order:
+                        ms = stacks[mode]
+                        res = await lt.run_load(lt.ChunkwiseBackend(ms.address), reqs, cache_salt=f"ov-{rnd}-{w}",
+                                                label=w, warmup=lt.warmup_requests(2, vocab, rnd), probe=ms.step_times,
+                                                keep_itl=False, max_duration=600, request_timeout=600)
+                        ov = res["step_overhead"] or {}
+                        row = {"model": model_name, "workload": w, "mode": mode, "round": rnd,
+                               "duration_s": res["duration_s"], "failed": res["failed"],
+                               "output_throughput": res["output_throughput"],
+                               "loadavg_1m": os.getloadavg()[0], **ov}
+                        if ov.get("steps"):
+                            row["rpc_ms_per_step"] = 1000.0 * (ov["step_rpc_seconds"] - ov["executor_seconds"]) / ov["steps"]
+                        rows.append(row)
+                        print(f"{model_name:13s} {w:14s} {mode:5s} r{rnd}: {res['duration_s']:6.1f} s, "
+                              f"{ov.get('steps', 0):5.0f} steps, executor {ov.get('executor_ms_per_step', 0):7.2f} ms/step, "
+                              f"idle {ov.get('idle_ms_per_step', 0):6.2f} ms/step = {ov.get('executor_idle_fraction', 0):6.1%}, "
+                              f"exec CPU {ov.get('executor_cpu_utilization', 0):4.0%}", flush=True)
         finally:
-            ms.stop()
-    summary = {}
+            for ms in stacks.values():
+                ms.stop()
+    summary: dict = {}
     for r in rows:
-        key = f"{r['model']}/{r['workload']}"
-        summary.setdefault(key, {})
+        entry = summary.setdefault(f"{r['model']}/{r['workload']}", {}).setdefault(r["mode"], {})
         for f in ("executor_idle_fraction", "rpc_fraction", "idle_ms_per_step", "executor_ms_per_step",
-                  "executor_cpu_utilization"):
-            summary[key].setdefault(f, []).append(r.get(f))
-    summary = {k: {f: lt.spread(v) for f, v in d.items()} for k, d in summary.items()}
-    return {"schema": "chunkwise.bench.overhead/1", "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+                  "rpc_ms_per_step", "executor_cpu_utilization", "output_throughput", "duration_s"):
+            entry.setdefault(f, []).append(r.get(f))
+    summary = {k: {m: {f: lt.spread(v) for f, v in d.items()} for m, d in modes.items()} for k, modes in summary.items()}
+    for key in summary:
+        model, workload = key.split("/", 1)
+        by_round = {(r["round"], r["mode"]): r for r in rows if r["model"] == model and r["workload"] == workload}
+        ratios = [by_round[(rnd, "async")]["output_throughput"] / by_round[(rnd, "sync")]["output_throughput"]
+                  for rnd in range(ns.repeats) if (rnd, "async") in by_round and (rnd, "sync") in by_round]
+        summary[key]["throughput_ratio_async_over_sync"] = lt.spread(ratios)
+    return {"schema": "chunkwise.bench.overhead/2", "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "scheduler_args": scheduler, "dtype": ns.dtype,
-            "workloads": WORKLOADS, "summary": summary, "runs": rows}
+            "workloads": WORKLOADS, "codec": codec_cost(), "summary": summary, "runs": rows}
+
+
+def codec_cost(repeats: int = 200) -> dict:
+    """Microseconds to encode + decode one plan and one result (both sides' codec work and the
+    protobuf bytes), for a 32-decode step and for a seed-shaped prefill step."""
+    from chunkwise import codec
+    from chunkwise.plan import RunningRequestDelta, SampledToken, ScheduledChunk, StepPlan, StepResult
+    from chunkwise.v1 import executor_pb2 as pb
+
+    def decode_step(n=32, context=700):
+        return StepPlan(7, follows_step_id=6, running=[RunningRequestDelta(f"r{i}", [], [], append_sampled=True)
+                                                      for i in range(n)],
+                        chunks=[ScheduledChunk(f"r{i}", context, 1, context, True) for i in range(n)])
+
+    def prefill_step():
+        plan = decode_step(30)
+        plan.running.append(RunningRequestDelta("p", [], list(range(40)), False))
+        plan.chunks.append(ScheduledChunk("p", 176, 994, 176, False))
+        return plan
+
+    out = {}
+    for name, plan in (("decode32", decode_step()), ("mixed", prefill_step())):
+        result = StepResult(plan.step_id, [SampledToken(c.req_id, 17, -0.5) for c in plan.chunks if c.sample])
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            wire = codec.plan_to_proto(plan, "e" * 32).SerializeToString()
+            codec.plan_from_proto(pb.StepPlan.FromString(wire))
+        t1 = time.perf_counter()
+        for _ in range(repeats):
+            rwire = codec.result_to_proto(result).SerializeToString()
+            codec.result_from_proto(pb.StepResult.FromString(rwire))
+        t2 = time.perf_counter()
+        out[name] = {"plan_us": 1e6 * (t1 - t0) / repeats, "plan_bytes": len(wire),
+                     "result_us": 1e6 * (t2 - t1) / repeats, "result_bytes": len(rwire)}
+    return out
 
 
 def main(argv=None) -> int:
@@ -103,15 +162,27 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-tiny", action="store_true")
+    p.add_argument("--tiny-only", action="store_true", help="only the tiny random model (a quick check)")
     p.add_argument("--json", default=None)
     ns = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     result = asyncio.run(run(ns))
     print()
-    print(f"{'model/workload':32s} {'idle frac (med, min-max)':>28s} {'idle ms/step':>14s} {'exec ms/step':>14s}")
+    print(f"{'model/workload':30s} {'mode':5s} {'idle frac (med, min-max)':>26s} {'idle ms/step':>13s} "
+          f"{'rpc ms/step':>12s} {'exec ms/step':>13s} {'tok/s':>8s}")
     for k, s in result["summary"].items():
-        f, i, e = s["executor_idle_fraction"], s["idle_ms_per_step"], s["executor_ms_per_step"]
-        print(f"{k:32s} {f['median']:>10.1%} ({f['min']:.1%}-{f['max']:.1%}) {i['median']:>14.2f} {e['median']:>14.2f}")
+        for mode in MODES:
+            if mode not in s:
+                continue
+            m = s[mode]
+            f = m["executor_idle_fraction"]
+            print(f"{k:30s} {mode:5s} {f['median']:>10.1%} ({f['min']:.1%}-{f['max']:.1%}) "
+                  f"{m['idle_ms_per_step']['median']:>13.2f} {m['rpc_ms_per_step']['median']:>12.2f} "
+                  f"{m['executor_ms_per_step']['median']:>13.2f} {m['output_throughput']['median']:>8.1f}")
+        r = s["throughput_ratio_async_over_sync"]
+        print(f"{'':30s} async/sync throughput {r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})")
+    print("codec, us per step (encode + decode):",
+          {k: (round(v["plan_us"]), round(v["result_us"])) for k, v in result["codec"].items()})
     write_json(ns.json, result)
     return 0
 
