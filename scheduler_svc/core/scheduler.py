@@ -28,7 +28,11 @@ names (`append_sampled`) for the executor to fill in from its own state. How eac
 - Preemption may pick a request with a chunk in flight: it is reset as usual, and its results from
   that step are ignored (each scheduled chunk remembers the request's incarnation, its
   `num_preemptions`). Aborts while steps are in flight are the same as before: results ignored.
-- Executor restart: `handle_executor_restart()` drops every plan in flight.
+- New arrivals are admitted in the plan being built as usual; their prefix lookup sees only
+  blocks registered by steps already updated, so a hit is always KV that exists.
+- Deadlines end a request through the same path as an abort (`finish_request`).
+- Executor restart: `handle_executor_restart()` drops every plan in flight (the service cancels
+  their calls), and the next plan re-sends every request in full under the new epoch.
 
 Order within a step:
 1. running requests that decode (one token left to compute), oldest first;
