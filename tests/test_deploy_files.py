@@ -38,10 +38,11 @@ DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
 GPU_SERVICES = {"executor", "scheduler"}
-CPU_SERVICES = {"executor-cpu", "scheduler-cpu"}
-EXECUTOR_PORT, SCHEDULER_PORT = "50061", "50051"
+CPU_SERVICES = {"executor-cpu", "scheduler-cpu"}  # also replica 1 of the gateway profile
+GATEWAY_SERVICES = {"executor-cpu-2", "scheduler-cpu-2", "gateway"}
+EXECUTOR_PORT, SCHEDULER_PORT, GATEWAY_PORT = "50061", "50051", "30080"
 # The stack's executor for each scheduler service.
-EXECUTOR_OF = {"scheduler": "executor", "scheduler-cpu": "executor-cpu"}
+EXECUTOR_OF = {"scheduler": "executor", "scheduler-cpu": "executor-cpu", "scheduler-cpu-2": "executor-cpu-2"}
 TOKEN_VAR = "CHUNKWISE_EXECUTOR_TOKEN"
 TOKEN = "test-token-not-secret"
 
@@ -179,8 +180,8 @@ def test_compose_resolved_config_publishes_only_the_scheduler_on_loopback(tmp_pa
     result = run_compose(["config"], tmp_path)
     assert result.returncode == 0, result.stderr
     resolved = yaml.safe_load(result.stdout)["services"]
-    assert set(resolved) == GPU_SERVICES | CPU_SERVICES
-    for name in ("executor", "executor-cpu"):
+    assert set(resolved) == GPU_SERVICES | CPU_SERVICES | GATEWAY_SERVICES
+    for name in ("executor", "executor-cpu", "executor-cpu-2"):
         assert not resolved[name].get("ports"), f"{name} must not be published to the host"
         assert resolved[name]["environment"][TOKEN_VAR] == TOKEN
     for name in ("scheduler", "scheduler-cpu"):
@@ -188,6 +189,8 @@ def test_compose_resolved_config_publishes_only_the_scheduler_on_loopback(tmp_pa
         assert ("127.0.0.1", SCHEDULER_PORT, SCHEDULER_PORT) in ports
         assert all(ip == "127.0.0.1" for ip, _, _ in ports), ports
         assert resolved[name]["environment"][TOKEN_VAR] == TOKEN
+    assert not resolved["scheduler-cpu-2"].get("ports"), "replica 2 is reached through the gateway only"
+    assert published_ports(resolved["gateway"]) == [("127.0.0.1", GATEWAY_PORT, GATEWAY_PORT)]
 
     # The host address and port are settings, read from the environment or .env.
     result = run_compose(["config"], tmp_path,
@@ -206,12 +209,14 @@ def test_compose_refuses_to_start_without_a_token(tmp_path, token):
 
 def test_compose_structure():
     services = load_compose()["services"]
-    assert set(services) == GPU_SERVICES | CPU_SERVICES
+    assert set(services) == GPU_SERVICES | CPU_SERVICES | GATEWAY_SERVICES
     # Every service has a profile: one without would start in both stacks.
     for name in GPU_SERVICES:
         assert services[name].get("profiles") == ["gpu"], name
     for name in CPU_SERVICES:
-        assert services[name].get("profiles") == ["cpu"], name
+        assert services[name].get("profiles") == ["cpu", "gateway"], name
+    for name in GATEWAY_SERVICES:
+        assert services[name].get("profiles") == ["gateway"], name
 
     gpu = service("executor")
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
@@ -221,7 +226,7 @@ def test_compose_structure():
     assert "deploy" not in cpu, "the CPU executor must not reserve a GPU"
     assert flag_value(cpu["command"], "--device") == "cpu"
 
-    for name in ("executor", "executor-cpu"):
+    for name in ("executor", "executor-cpu", "executor-cpu-2"):
         svc = service(name)
         assert not svc.get("ports"), f"{name} must not be published to the host"
         assert flag_value(svc["command"], "--host") == "0.0.0.0"  # reachable inside the network
@@ -241,7 +246,8 @@ def test_compose_structure():
         assert flag_value(svc["command"], "--host") == "0.0.0.0"
         assert flag_value(svc["command"], "--port") == SCHEDULER_PORT
         assert svc["image"] == service(executor)["image"]
-        assert ("127.0.0.1", SCHEDULER_PORT, SCHEDULER_PORT) in published_ports(svc)
+        if name != "scheduler-cpu-2":
+            assert ("127.0.0.1", SCHEDULER_PORT, SCHEDULER_PORT) in published_ports(svc)
         # The tokenizer is read from the executor's model directory: same mounts, same paths.
         assert mount_points(svc) == mount_points(service(executor)) == {"/models", "/cache"}
         assert set(svc["networks"]) == {"backend", "public"}
@@ -250,9 +256,51 @@ def test_compose_structure():
     top = load_compose()
     assert top["networks"]["backend"].get("internal") is True
     assert "chunkwise-cache" in top["volumes"]
-    # The GPU and CPU schedulers differ only in which executor they talk to.
+    # The GPU and CPU schedulers (and the second replica) differ only in which executor they talk to.
     a, b = service("scheduler")["command"], service("scheduler-cpu")["command"]
     assert [x for x in a if x != "executor:50061"] == [x for x in b if x != "executor-cpu:50061"]
+    c = service("scheduler-cpu-2")["command"]
+    assert [x for x in c if x != "executor-cpu-2:50061"] == [x for x in b if x != "executor-cpu:50061"]
+    assert service("executor-cpu-2")["command"] == service("executor-cpu")["command"]
+
+
+def gateway_launch_args() -> list[str]:
+    """The gateway service's `smg launch` arguments, as its shell would pass them."""
+    cmd = service("gateway")["command"]
+    assert cmd[:2] == ["sh", "-c"], cmd
+    script = cmd[2].replace("$$", "$")  # compose's escape for a literal $
+    first, _, launch = script.partition("&&")
+    assert 'python -m chunkwise.model_source "${CHUNKWISE_MODEL:-smollm2-135m-instruct}"' in first
+    args = shlex.split(launch.replace('"$model"', "MODEL_DIR"))
+    assert args[:3] == ["exec", "smg", "launch"], args
+    return args[3:]
+
+
+def test_compose_gateway_fronts_both_replicas_on_loopback():
+    svc = service("gateway")
+    args = gateway_launch_args()
+    workers = args[args.index("--worker-urls") + 1 : args.index("--policy")]
+    assert workers == [f"grpc://scheduler-cpu:{SCHEDULER_PORT}", f"grpc://scheduler-cpu-2:{SCHEDULER_PORT}"]
+    assert flag_value(args, "--policy") == "cache_aware"
+    assert flag_value(args, "--model-path") == flag_value(args, "--tokenizer-path") == "MODEL_DIR"
+    assert flag_value(args, "--host") == "0.0.0.0" and flag_value(args, "--port") == GATEWAY_PORT
+    assert svc["networks"] == ["public"], "the gateway reaches the schedulers, never an executor"
+    assert svc["build"]["target"] == "gateway"
+    assert {"/models", "/cache"} <= mount_points(svc)
+    assert set(svc["depends_on"]) == {"scheduler-cpu", "scheduler-cpu-2"}
+    hc = svc["healthcheck"]["test"]
+    assert hc[:3] == ["CMD", "python", "-c"] and hc[4] == f"http://127.0.0.1:{GATEWAY_PORT}/v1/models"
+
+
+def test_compose_gateway_flags_are_ones_the_pinned_smg_accepts():
+    from chunkwise_tools.gateway import smg_binary
+
+    smg = smg_binary()
+    if smg is None:
+        pytest.skip("smg is not installed (the gateway extra; make test installs it)")
+    help_text = subprocess.run([smg, "launch", "--help"], capture_output=True, text=True, timeout=60).stdout
+    flags = [a for a in gateway_launch_args() if a.startswith("--")]
+    assert flags and all(f in help_text for f in flags), [f for f in flags if f not in help_text]
 
 
 def mount_points(svc: dict) -> set[str]:
@@ -468,6 +516,22 @@ def test_dockerfile_cpu_target():
     check_runtime(final)
     copies = [rest for instr, rest in final["instructions"] if instr == "COPY"]
     assert any("/cache" in c for c in copies), "the converted model must be copied into the final image"
+
+
+def test_dockerfile_gateway_target():
+    _, stages = dockerfile_stages()
+    chain = stage_chain(stages, "gateway")
+    assert [s["name"] for s in chain][-1] == "gateway" and any(s["name"] == "cpu" for s in chain)
+    commands = runs(chain)
+    # SMG comes from the project's own extra (one pin), as a wheel, never a source build.
+    step = commands[index_of(commands, r'--only-binary=smg "\.\[gateway\]"')]
+    assert "--constraint" in step, "the gateway install must keep the pinned torch"
+    final = chain[-1]
+    assert any("/opt/venv" in rest for instr, rest in final["instructions"] if instr == "COPY")
+    assert final["base"] == "cpu", "the gateway image is the cpu image plus SMG"
+    # It inherits the cpu image's non-root user and command: nothing in it may change them.
+    assert final_instruction(final, "USER") is None and final_instruction(final, "CMD") is None
+    check_runtime(next(s for s in stages if s["name"] == "cpu"))
 
 
 def test_dockerfile_cuda_target():
