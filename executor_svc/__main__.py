@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     stop.wait()
     log.info("shutting down")
     server.stop(grace=5).wait()
+    runner.close()  # the other tensor-parallel ranks, if any
     return 0
 
 

@@ -45,6 +45,11 @@ class ExecutorConfig:
     port: int = 50061
     token: str | None = None  # shared secret every call must carry; the server refuses to start without one
     enforce_eager: bool = False  # no torch.compile: decode attention takes the folded-query SDPA path
+    # Tensor parallelism on one host: this process is rank 0 and starts the others, which meet at
+    # master_addr:master_port (torch.distributed's rendezvous; None: a free port on loopback).
+    tensor_parallel_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
     # TLS for the internal API (the server's concern; the model runner ignores them). Both or neither.
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
@@ -76,6 +81,12 @@ class ExecutorConfig:
                        help="cap on the context length (default: the model's max_position_embeddings)")
         g.add_argument("--enforce-eager", default=s, action="store_true",
                        help="never compile: decode attention gathers blocks and calls SDPA (slower, starts faster)")
+        g.add_argument("--tensor-parallel-size", "-tp", default=s, type=int, metavar="N",
+                       help="shard the model over N ranks (processes) on this host: query/KV heads and the MLP "
+                            "split N ways, gloo on CPU, NCCL on CUDA (1)")
+        g.add_argument("--master-addr", default=s, help="rendezvous address of the tensor-parallel ranks (127.0.0.1)")
+        g.add_argument("--master-port", default=s, type=int,
+                       help="rendezvous port of the tensor-parallel ranks (default: a free one)")
         g.add_argument("--host", default=s, help="address to listen on (127.0.0.1)")
         g.add_argument("--port", default=s, type=int, help="port to listen on (50061)")
         g.add_argument("--token", default=s,
@@ -140,6 +151,12 @@ class ExecutorConfig:
             p.append(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.kv_cache_space > 0.0:
             p.append(f"--kv-cache-space must be > 0 GiB, got {self.kv_cache_space}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            p.append(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.master_port is not None and not 0 < self.master_port <= 65535:
+            p.append(f"--master-port must be in [1, 65535], got {self.master_port}")
+        if not self.master_addr:
+            p.append("--master-addr must not be empty")
         if self.max_model_len is not None and self.max_model_len < 1:
             p.append(f"--max-model-len must be >= 1, got {self.max_model_len}")
         if not self.host:
@@ -158,6 +175,10 @@ class ExecutorConfig:
             if self.device == "cuda" and not cuda:
                 p.append("--device cuda was requested but torch sees no CUDA device")
             device = self.resolved_device() if (self.device != "cuda" or cuda) else "cuda"
+            if (device == "cuda" and cuda and isinstance(self.tensor_parallel_size, int)
+                    and self.tensor_parallel_size > _cuda_device_count()):
+                p.append(f"--tensor-parallel-size {self.tensor_parallel_size} needs as many GPUs; "
+                         f"torch sees {_cuda_device_count()}")
             if self.dtype == "float16" and device != "cuda":
                 p.append("--dtype float16 is only supported on CUDA (use float32 or bfloat16 on CPU)")
             if self.attention_backend == "flash-attn":
@@ -238,6 +259,8 @@ _ENV_CONVERTERS: dict[str, Callable[[str], Any]] = {
     "max_model_len": _int,
     "enforce_eager": _bool,
     "port": _int,
+    "tensor_parallel_size": _int,
+    "master_port": _int,
     "dtype": lambda s: s.strip().lower(),
     "device": lambda s: s.strip().lower(),
     "attention_backend": lambda s: s.strip().lower(),
@@ -248,6 +271,12 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _flash_attn_importable() -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -45,7 +46,8 @@ from .attention import AttentionBackend, BatchLayout, StepAttention, TorchAttent
 from .attention.paged_decode import PagedDecodeKernel
 from .config import ExecutorConfig
 from .kv_cache import KVCache, KVCacheShape, plan_num_blocks
-from .loader import load_model
+from .loader import load_model, read_spec
+from .parallel import SINGLE, Ranks, TPGroup, broadcast, check_divisible, resolve_for_ranks
 from .sampling import new_random_seed, sample
 
 logger = logging.getLogger("chunkwise.executor")
@@ -127,22 +129,39 @@ class _Batch:
 
 class ModelRunner:
     """Loads the model at construction; `initialize` allocates the KV cache; `execute` runs steps.
-    Not thread-safe: the server runs one call at a time."""
+    Not thread-safe: the server runs one call at a time.
 
-    def __init__(self, config: ExecutorConfig):
+    With --tensor-parallel-size N > 1 the runner built without `tp` is rank 0: it starts ranks
+    1..N-1 (each a ModelRunner built with its `tp`, driven by executor_svc.parallel.worker_main)
+    and broadcasts to them every initialize, reset and step. `close()` stops them."""
+
+    def __init__(self, config: ExecutorConfig, tp: TPGroup | None = None):
         config.validate()
         if not config.model:
             raise ValueError("no model given: pass --model DIR (a local checkpoint directory)")
         self.config = config
+        self._ranks: Ranks | None = None
+        if tp is None and config.tensor_parallel_size > 1:
+            size = config.tensor_parallel_size
+            spec, _ = read_spec(config.model, config.max_model_len)  # refuse before starting anything
+            check_divisible(spec.num_heads, spec.num_kv_heads, spec.intermediate_size, size, spec.architecture)
+            if config.resolved_device() == "cpu":
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # one share of the cores per rank
+            self._ranks = Ranks(config, size, config.master_addr, config.master_port)
+            tp = self._ranks.group
+        self.tp = tp or SINGLE
         self.device = torch.device(config.resolved_device())
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         dtype_name, dtype_reason = config.dtype_choice()
         self.dtype: torch.dtype = getattr(torch, dtype_name)
         logger.info("dtype %s (%s)", dtype_name, dtype_reason)
-        loaded = load_model(config.model, self.dtype, self.device, config.max_model_len)
+        loaded = load_model(config.model, self.dtype, self.device, config.max_model_len, tp=self.tp)
         self.model = loaded.model
         self.spec = loaded.spec
+        # This rank's attention heads (all of them without tensor parallelism).
+        self.num_heads = self.spec.num_heads // self.tp.size
+        self.num_kv_heads = self.spec.num_kv_heads // self.tp.size
         self.max_model_len = loaded.max_model_len
         # Provisional until initialize() knows the block size (flash-attn needs a multiple of 256).
         backend_cls, _ = select_backend(config.attention_backend, self.device, self.dtype,
@@ -165,7 +184,7 @@ class ModelRunner:
         # server reports ready, so that no request ever waits for a compile.
         self.decode_kernel: PagedDecodeKernel | None = None
         if backend_cls is TorchAttentionBackend and self.device.type == "cpu":
-            self.decode_kernel = PagedDecodeKernel(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
+            self.decode_kernel = PagedDecodeKernel(self.num_heads, self.num_kv_heads, self.spec.head_dim,
                                                    self.dtype, self.device, config.enforce_eager)
             logger.info("decode attention: %s", self.decode_kernel.reason)
         self.kv_cache: KVCache | None = None
@@ -193,12 +212,19 @@ class ModelRunner:
         return req_id in self._requests
 
     def kv_cache_shape(self) -> KVCacheShape:
-        s = self.spec
-        return KVCacheShape(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
+        s = self.spec  # this rank's KV heads only, with tensor parallelism
+        return KVCacheShape(s.num_layers, self.num_kv_heads, s.head_dim, self.dtype)
 
-    def initialize(self, block_size: int) -> int:
-        """Allocate the KV cache for the scheduler's block size; returns the number of blocks.
-        Calling it again reallocates and drops every request."""
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (if this runner started them)."""
+        if self._ranks is not None:
+            self._ranks.close()
+            self._ranks = None
+
+    def initialize(self, block_size: int, num_blocks: int | None = None) -> int:
+        """Allocate the KV cache for the scheduler's block size; returns the number of blocks
+        (`num_blocks`: exactly that many, as rank 0 tells the other ranks). Calling it again
+        reallocates and drops every request."""
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         backend_cls, reason = select_backend(self.config.attention_backend, self.device, self.dtype,
@@ -211,16 +237,19 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         shape = self.kv_cache_shape()
-        num_blocks = plan_num_blocks(shape, block_size, self.device, self.config.num_kv_blocks,
-                                     self.config.gpu_memory_utilization, self.config.kv_cache_space)
+        if num_blocks is None:
+            num_blocks = plan_num_blocks(shape, block_size, self.device, self.config.num_kv_blocks,
+                                         self.config.gpu_memory_utilization, self.config.kv_cache_space)
+        if self._ranks is not None:  # the same block count on every rank: block ids mean the same
+            broadcast(("initialize", block_size, num_blocks))
         self.kv_cache = KVCache(shape, num_blocks, block_size, self.device)
         if backend_cls is TorchAttentionBackend:
             torch_backend = TorchAttentionBackend(
-                self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim, decode_kernel=self.decode_kernel)
+                self.num_heads, self.num_kv_heads, self.spec.head_dim, decode_kernel=self.decode_kernel)
             backend: AttentionBackend = torch_backend
             decode = torch_backend.decode_path
         else:
-            backend = backend_cls(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim)
+            backend = backend_cls(self.num_heads, self.num_kv_heads, self.spec.head_dim)
             decode = backend_cls.name
         self.backend = backend
         self.block_size = block_size
@@ -231,6 +260,8 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Drop all request state (the KV cache stays allocated)."""
+        if self._ranks is not None:
+            broadcast(("reset",))
         self._requests.clear()
         self.last_step_id = None
         self.last_layout = None
@@ -238,6 +269,10 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         result, _ = self._execute(plan, want_all_logits=False)
         return result
+
+    def execute_shard(self, plan: StepPlan) -> None:
+        """Ranks other than 0: run a plan rank 0 validated and broadcast, without sampling."""
+        self._execute(plan, want_all_logits=False, do_sample=False)
 
     def execute_with_logits(self, plan: StepPlan) -> tuple[StepResult, dict[str, torch.Tensor]]:
         """Like execute, plus float32 logits [num_tokens, vocab] of every computed position of
@@ -247,11 +282,15 @@ class ModelRunner:
     # ------------------------------------------------------------------------------ execution
 
     @torch.inference_mode()
-    def _execute(self, plan: StepPlan, want_all_logits: bool) -> tuple[StepResult, dict[str, torch.Tensor]]:
+    def _execute(self, plan: StepPlan, want_all_logits: bool,
+                 do_sample: bool = True) -> tuple[StepResult, dict[str, torch.Tensor]]:
         t0 = time.perf_counter()
         if self.kv_cache is None or self.backend is None or self.block_size is None:
             raise RuntimeError("the executor is not initialized: call initialize(block_size) first")
         self._validate(plan)
+        if self._ranks is not None:  # valid: every rank runs it (tokens only rank 0 knows spelled out)
+            sampled_here = {d.req_id: self._requests[d.req_id].last_sampled for d in plan.running if d.append_sampled}
+            broadcast(("execute", resolve_for_ranks(plan, sampled_here)))
         self._apply_state_changes(plan)
         self.last_step_id = plan.step_id
         if not plan.chunks:
@@ -261,6 +300,11 @@ class ModelRunner:
         self.last_layout = batch.layout
         attend = StepAttention(self.backend, self.kv_cache, batch.layout)
         hidden = self.model(batch.input_ids, batch.positions, attend)
+        if not do_sample:  # another rank: its part of the forward is done
+            for c in plan.chunks:
+                st = self._requests[c.req_id]
+                st.kv_end = c.end if st.kv_end is None else max(st.kv_end, c.end)
+            return StepResult(plan.step_id, [], time.perf_counter() - t0), {}
 
         all_logits: dict[str, torch.Tensor] = {}
         if want_all_logits:

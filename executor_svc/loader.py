@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .models import LlamaForCausalLM, ModelSpec, UnsupportedModelError, spec_from_hf_config
+from .parallel import SINGLE, TPGroup, check_divisible
 
 logger = logging.getLogger("chunkwise.executor.loader")
 
@@ -118,11 +119,14 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     max_model_len: int | None = None,
+    tp: TPGroup = SINGLE,
 ) -> LoadedModel:
+    """`tp`: load this rank's shard of a tensor-parallel model (see models/llama.py)."""
     p = _checkpoint_dir(path)
     spec, limit = read_spec(p, max_model_len)
+    check_divisible(spec.num_heads, spec.num_kv_heads, spec.intermediate_size, tp.size, spec.architecture)
     device = torch.device(device)
-    model = LlamaForCausalLM(spec, dtype=dtype, device=device)
+    model = LlamaForCausalLM(spec, dtype=dtype, device=device, tp=tp)
     with torch.inference_mode():
         model.load_weights(iter_weights(p))
     model.eval()

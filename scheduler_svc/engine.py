@@ -319,7 +319,7 @@ class Engine:
         while True:
             self.publish_kv_events()  # e.g. the reset of a restart handled in the last iteration
             if not sent:
-                if not self.scheduler.has_work():  # work includes executor state still to drop
+                if not self.scheduler.has_work():
                     self._wake.clear()
                     await self._wake.wait()
                     was_idle = True

@@ -8,6 +8,12 @@ the paged KV cache and the attention backend), so this module knows nothing abou
 q/k/v and gate/up projections are fused into single matmuls; the loader slices the checkpoint's
 separate tensors into them. Numerics follow the HF reference: RMSNorm in float32 then cast back,
 RoPE angles in float32, logits returned as float32.
+
+With tensor parallelism (`tp`, see executor_svc/parallel.py) each rank holds num_heads / N query
+heads, num_kv_heads / N KV heads and intermediate_size / N of the MLP: q/k/v and gate/up are
+sliced by output rows, o_proj and down_proj by input columns and summed over the ranks with one
+all-reduce each (their biases, if any, live on rank 0 only, so the sum counts them once).
+Embeddings, norms and lm_head are replicated.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel import SINGLE, TPGroup
 from .rope import RotaryEmbedding, apply_rotary
 from .spec import ModelSpec
 
@@ -62,11 +69,14 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype, device: torch.device, tp: TPGroup):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_size, self.kv_size = spec.q_size, spec.kv_size
+        self.tp = tp
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads, self.num_kv_heads = spec.num_heads // tp.size, spec.num_kv_heads // tp.size
+        self.head_dim = spec.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias, dtype, device)
         self.o_proj = Linear(self.q_size, spec.hidden_size, spec.o_bias, dtype, device)
 
@@ -77,28 +87,29 @@ class Attention(nn.Module):
         k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         out = attend(self.layer_idx, q, k, v)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp: TPGroup):
         super().__init__()
-        self.intermediate_size = spec.intermediate_size
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, spec.mlp_bias, dtype, device)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias, dtype, device)
+        self.tp = tp
+        self.intermediate_size = spec.intermediate_size // tp.size  # this rank's part
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * self.intermediate_size, spec.mlp_bias, dtype, device)
+        self.down_proj = Linear(self.intermediate_size, spec.hidden_size, spec.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype, device: torch.device, tp: TPGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(spec, layer_idx, dtype, device)
+        self.self_attn = Attention(spec, layer_idx, dtype, device, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.mlp = MLP(spec, dtype, device)
+        self.mlp = MLP(spec, dtype, device, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
@@ -108,14 +119,15 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 decoder; which biases exist is decided by the spec."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, tp: TPGroup = SINGLE):
         super().__init__()
         device = torch.device(device)
         self.spec = spec
         self.dtype = dtype
+        self.tp = tp
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, dtype, device)
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position_embeddings, device)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, device) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, device, tp) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         # Tied: lm_head shares the embedding matrix (no copy, counted once in num_parameters).
         self.lm_head_weight = (
@@ -143,8 +155,11 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the fused parameters; error on anything
         missing, unexpected or mis-shaped, naming the tensor."""
-        s = self.spec
-        q, kv, inter = s.q_size, s.kv_size, s.intermediate_size
+        s, tp = self.spec, self.tp
+        # This rank's sizes (the whole model's without tensor parallelism).
+        q, kv, inter = s.q_size // tp.size, s.kv_size // tp.size, s.intermediate_size // tp.size
+        # Checkpoint tensors this rank takes a slice of: (dim, rows or columns per rank).
+        row_parallel = {"self_attn.o_proj": q, "mlp.down_proj": inter}
         # checkpoint suffix -> (parameter name within the layer, row offset, rows)
         fused = {
             "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
@@ -181,6 +196,14 @@ class LlamaForCausalLM(nn.Module):
                 if module in fused:
                     fused_module, offset, rows = fused[module]
                     target = f"layers.{idx}.{fused_module}.{kind}"
+                    if tp.size > 1:  # column-parallel: this rank's output rows
+                        tensor = tensor.narrow(0, tp.rank * rows, rows)
+                elif module in row_parallel and tp.size > 1:
+                    if kind == "weight":  # row-parallel: this rank's input columns
+                        width = row_parallel[module]
+                        tensor = tensor.narrow(1, tp.rank * width, width)
+                    elif tp.rank != 0:  # the bias is added once, by rank 0
+                        tensor = torch.zeros_like(tensor)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"unexpected tensor {raw_name!r} in checkpoint for {s.architecture}")

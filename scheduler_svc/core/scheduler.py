@@ -192,8 +192,10 @@ class Scheduler:
         return bool(self._running or self._waiting)
 
     def has_work(self) -> bool:
-        """Unfinished requests, or executor state still to drop: the next schedule() is not empty."""
-        return self.has_unfinished_requests() or bool(self._finished_ids_to_send)
+        """Unfinished requests: a step to plan. (Executor state of finished requests is dropped
+        with the next plan that computes something, never by a plan of its own: a step that only
+        drops would keep the loop busy after the last request, and fail if the executor just died.)"""
+        return self.has_unfinished_requests()
 
     @property
     def has_plan_in_flight(self) -> bool:
@@ -324,8 +326,9 @@ class Scheduler:
             self._counters.prefix_holds += len(held)
 
         plan.chunks = [chunk for _, chunk in scheduled]
-        plan.finished_req_ids = self._finished_ids_to_send
-        self._finished_ids_to_send = []
+        if scheduled:  # else the drops wait for the next plan with work (see has_work)
+            plan.finished_req_ids = self._finished_ids_to_send
+            self._finished_ids_to_send = []
         if not plan.is_empty:
             self._next_step_id += 1
             self._in_flight.append(_InFlightStep(

@@ -344,8 +344,12 @@ def test_finish_request_for_stop_strings():
     assert not scheduler.finish_request("a", "stop")
     stats = scheduler.stats()
     assert stats.requests_finished["stop"] == 1 and stats.kv_blocks_used == 0
+    # Nothing else to do: no plan just to drop its executor state; that goes with the next work.
+    assert not scheduler.has_work()
+    assert scheduler.schedule().is_empty
+    scheduler.add_request(Request("b", tokens(5), max_tokens=1))
     plan = scheduler.schedule()
-    assert plan.finished_req_ids == ["a"] and not plan.chunks
+    assert plan.finished_req_ids == ["a"] and [c.req_id for c in plan.chunks] == ["b"]
     scheduler.update(plan, executor.execute(plan))
     assert not scheduler.has_work()
 

@@ -1,0 +1,236 @@
+"""Tensor parallelism on torch.distributed: one model sharded across `--tensor-parallel-size` ranks.
+
+The layout follows vLLM's multiprocess executor. Rank 0 is the executor process: it keeps the gRPC
+endpoint, the handshake, plan validation and sampling. It starts ranks 1..N-1 itself (one host,
+`torch.multiprocessing` with spawn) and, for every call that touches the model, broadcasts one
+command to them (`initialize` with the block count it chose, `execute` with the plan). Every rank
+runs the same forward over its shard; only rank 0 computes logits and samples. The scheduler sees
+one executor and does not change.
+
+Sharding (Megatron-style, in models/llama.py and its loader): q/k/v and gate/up are split by
+output rows (each rank has num_heads / N query heads, num_kv_heads / N KV heads and
+intermediate_size / N of the MLP), o_proj and down_proj by input columns, each followed by one
+all-reduce. Embeddings, norms and lm_head are replicated (simpler than vocab-parallel, and the
+models served here are small; noted as a cost in the README). Each rank's KV cache holds only its
+KV heads, with the same block count on every rank, so block ids mean the same everywhere.
+
+Plans reach the other ranks resolved: a delta that says `append_sampled` (async scheduling) names
+a token only rank 0 has seen, so rank 0 replaces it by that token before broadcasting.
+
+Failure: gloo on CPU, NCCL on CUDA. Rank 0 watches its ranks; if one exits, rank 0 logs it and
+exits too (status 1), so the step in flight fails with UNAVAILABLE at the scheduler, which
+resynchronises with a restarted executor like after any executor crash. Ranks die with rank 0
+(PR_SET_PDEATHSIG on Linux; otherwise their next collective fails).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from chunkwise.plan import RunningRequestDelta, StepPlan
+
+logger = logging.getLogger("chunkwise.executor.tp")
+
+# How long a collective may wait for the other ranks (a step, or a rank's model load at start-up).
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass
+class Timings:
+    """Time this process spent in collectives (rank 0's view: it includes waiting for the others).
+    Read by bench/tp_step.py."""
+
+    all_reduce_seconds: float = 0.0
+    all_reduces: int = 0
+    broadcast_seconds: float = 0.0
+    broadcasts: int = 0
+
+
+TIMINGS = Timings()
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in the tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place (a no-op with one rank)."""
+        if self.size > 1:
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            TIMINGS.all_reduce_seconds += time.perf_counter() - t0
+            TIMINGS.all_reduces += 1
+        return x
+
+
+SINGLE = TPGroup()
+
+
+def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int, model: str) -> None:
+    """ValueError unless `size` ranks can share the heads and the MLP evenly."""
+    if size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {size}")
+    if num_heads % size or num_kv_heads % size or intermediate_size % size:
+        ok = [n for n in range(1, num_kv_heads + 1)
+              if num_heads % n == 0 and num_kv_heads % n == 0 and intermediate_size % n == 0]
+        raise ValueError(
+            f"--tensor-parallel-size {size} does not divide {model}'s {num_heads} query heads, "
+            f"{num_kv_heads} KV heads and MLP width {intermediate_size}; it can use "
+            f"{', '.join(map(str, ok))}")
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank: int, size: int, master_addr: str, master_port: int, backend: str) -> TPGroup:
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    return TPGroup(rank, size)
+
+
+def resolve_for_ranks(plan: StepPlan, last_sampled: dict[str, int | None]) -> StepPlan:
+    """The plan as the other ranks run it: tokens named by append_sampled spelled out."""
+    if not any(d.append_sampled for d in plan.running):
+        return dataclasses.replace(plan, follows_step_id=None)
+    running = []
+    for d in plan.running:
+        token = last_sampled.get(d.req_id) if d.append_sampled else None
+        running.append(d if token is None else RunningRequestDelta(d.req_id, [token], d.new_block_ids))
+    return dataclasses.replace(plan, running=running, follows_step_id=None)
+
+
+def broadcast(command: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
+    """Rank 0 sends `command`; the others receive and return it."""
+    box: list[Any] = [command]
+    t0 = time.perf_counter()
+    dist.broadcast_object_list(box, src=0)
+    TIMINGS.broadcast_seconds += time.perf_counter() - t0
+    TIMINGS.broadcasts += 1
+    received: tuple[Any, ...] = box[0]
+    return received
+
+
+class Ranks:
+    """Rank 0's handle on ranks 1..N-1: starts them, broadcasts to them, watches them."""
+
+    def __init__(self, config, size: int, master_addr: str = "127.0.0.1", master_port: int | None = None):
+        import torch.multiprocessing as mp
+
+        self.size = size
+        port = master_port or free_port(master_addr)
+        ctx = mp.get_context("spawn")  # a clean interpreter per rank: no forked torch/gRPC threads
+        self.procs = [
+            ctx.Process(target=worker_main, args=(config, rank, size, master_addr, port),
+                        name=f"chunkwise-tp-rank{rank}", daemon=True)
+            for rank in range(1, size)
+        ]
+        for p in self.procs:
+            p.start()
+        logger.info("tensor parallel: started ranks 1..%d (pids %s), rendezvous %s:%d",
+                    size - 1, ", ".join(str(p.pid) for p in self.procs), master_addr, port)
+        self._closing = False
+        self.group = init_group(0, size, master_addr, port, backend_for(config_device(config)))
+        threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        from multiprocessing.connection import wait
+
+        wait([p.sentinel for p in self.procs])
+        if self._closing:
+            return
+        for p in self.procs:
+            p.join(0.5)
+        dead = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self.procs) if p.exitcode is not None]
+        logger.error("tensor parallel: %s died; the executor exits so that it is restarted whole",
+                     ", ".join(dead) or "a rank")
+        os._exit(1)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the ranks (they leave their loop) and leave the group."""
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            broadcast(("stop",))
+        except Exception:  # a rank is already gone
+            pass
+        for p in self.procs:
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def config_device(config) -> torch.device:
+    return torch.device(config.resolved_device())
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def worker_main(config, rank: int, size: int, master_addr: str, master_port: int) -> None:
+    """Ranks 1..N-1: load the shard, then run what rank 0 broadcasts until it says stop."""
+    from chunkwise.logging_setup import setup_logging
+
+    from .engine import ModelRunner
+
+    _die_with_parent()
+    setup_logging()
+    device = config_device(config)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    else:
+        torch.cuda.set_device(rank)
+    group = init_group(rank, size, master_addr, master_port, backend_for(device))
+    runner = ModelRunner(config, tp=group)
+    logger.info("tensor parallel rank %d/%d ready", rank, size)
+    try:
+        while True:
+            command = broadcast()
+            op = command[0]
+            if op == "initialize":
+                runner.initialize(command[1], num_blocks=command[2])
+            elif op == "execute":
+                runner.execute_shard(command[1])
+            elif op == "reset":
+                runner.reset()
+            elif op == "stop":
+                break
+            else:
+                raise RuntimeError(f"unknown tensor-parallel command {op!r}")
+    except Exception:
+        logger.exception("tensor parallel rank %d failed", rank)
+        os._exit(1)
+    dist.destroy_process_group()
