@@ -156,8 +156,10 @@ class Ranks:
         logger.info("tensor parallel: started ranks 1..%d (pids %s), rendezvous %s:%d",
                     size - 1, ", ".join(str(p.pid) for p in self.procs), master_addr, port)
         self._closing = False
-        self.group = init_group(0, size, master_addr, port, backend_for(config_device(config)))
+        # Watched from now on: a rank that fails while loading must not leave rank 0 waiting for
+        # it at the rendezvous until the collective timeout.
         threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
+        self.group = init_group(0, size, master_addr, port, backend_for(config_device(config)))
 
     def _watch(self) -> None:
         from multiprocessing.connection import wait
