@@ -37,6 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = argparse.ArgumentParser(prog="python -m executor_svc", description="chunkwise executor")
         config = ExecutorConfig.from_namespace(ExecutorConfig.add_arguments(parser).parse_args(argv))
+        if config.node_rank > 0:  # another host's tensor-parallel ranks: no API of its own
+            from executor_svc.parallel import run_node
+
+            config = dataclasses.replace(config, model=str(resolve_model(config.model)))
+            log.info("tensor parallel host %d of %d: ranks meet at %s:%s", config.node_rank, config.nnodes,
+                     config.master_addr, config.master_port)
+            return run_node(config)
         token = check_security(config)
         # The runner validates the config again with the resolved model directory.
         config = dataclasses.replace(config, model=str(resolve_model(config.model)))

@@ -50,6 +50,10 @@ class ExecutorConfig:
     tensor_parallel_size: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    # Several hosts: the ranks are split evenly over nnodes; host node_rank 0 runs rank 0 (the
+    # executor proper), the others only start their ranks.
+    nnodes: int = 1
+    node_rank: int = 0
     # TLS for the internal API (the server's concern; the model runner ignores them). Both or neither.
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
@@ -87,6 +91,10 @@ class ExecutorConfig:
         g.add_argument("--master-addr", default=s, help="rendezvous address of the tensor-parallel ranks (127.0.0.1)")
         g.add_argument("--master-port", default=s, type=int,
                        help="rendezvous port of the tensor-parallel ranks (default: a free one)")
+        g.add_argument("--nnodes", default=s, type=int, metavar="M",
+                       help="hosts the tensor-parallel ranks are spread over, N / M each (1)")
+        g.add_argument("--node-rank", default=s, type=int, metavar="K",
+                       help="this host's place among them: 0 runs the executor, others only start their ranks (0)")
         g.add_argument("--host", default=s, help="address to listen on (127.0.0.1)")
         g.add_argument("--port", default=s, type=int, help="port to listen on (50061)")
         g.add_argument("--token", default=s,
@@ -157,6 +165,14 @@ class ExecutorConfig:
             p.append(f"--master-port must be in [1, 65535], got {self.master_port}")
         if not self.master_addr:
             p.append("--master-addr must not be empty")
+        if not isinstance(self.nnodes, int) or self.nnodes < 1:
+            p.append(f"--nnodes must be >= 1, got {self.nnodes}")
+        elif isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size % self.nnodes:
+            p.append(f"--tensor-parallel-size {self.tensor_parallel_size} must be a multiple of --nnodes {self.nnodes}")
+        elif not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            p.append(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        elif self.nnodes > 1 and self.master_port is None:
+            p.append("--nnodes > 1 needs --master-addr and --master-port: every host must find the same rendezvous")
         if self.max_model_len is not None and self.max_model_len < 1:
             p.append(f"--max-model-len must be >= 1, got {self.max_model_len}")
         if not self.host:
@@ -260,6 +276,8 @@ _ENV_CONVERTERS: dict[str, Callable[[str], Any]] = {
     "enforce_eager": _bool,
     "port": _int,
     "tensor_parallel_size": _int,
+    "nnodes": _int,
+    "node_rank": _int,
     "master_port": _int,
     "dtype": lambda s: s.strip().lower(),
     "device": lambda s: s.strip().lower(),

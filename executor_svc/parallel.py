@@ -1,8 +1,8 @@
 """Tensor parallelism on torch.distributed: one model sharded across `--tensor-parallel-size` ranks.
 
 The layout follows vLLM's multiprocess executor. Rank 0 is the executor process: it keeps the gRPC
-endpoint, the handshake, plan validation and sampling. It starts ranks 1..N-1 itself (one host,
-`torch.multiprocessing` with spawn) and, for every call that touches the model, broadcasts one
+endpoint, the handshake, plan validation and sampling. It starts the other ranks of its host itself
+(`torch.multiprocessing` with spawn) and, for every call that touches the model, broadcasts one
 command to them (`initialize` with the block count it chose, `execute` with the plan). Every rank
 runs the same forward over its shard; only rank 0 computes logits and samples. The scheduler sees
 one executor and does not change.
@@ -17,10 +17,18 @@ KV heads, with the same block count on every rank, so block ids mean the same ev
 Plans reach the other ranks resolved: a delta that says `append_sampled` (async scheduling) names
 a token only rank 0 has seen, so rank 0 replaces it by that token before broadcasting.
 
-Failure: gloo on CPU, NCCL on CUDA. Rank 0 watches its ranks; if one exits, rank 0 logs it and
-exits too (status 1), so the step in flight fails with UNAVAILABLE at the scheduler, which
-resynchronises with a restarted executor like after any executor crash. Ranks die with rank 0
-(PR_SET_PDEATHSIG on Linux; otherwise their next collective fails).
+Several hosts (`--nnodes M --node-rank K`, torchrun's names): the N ranks are split evenly, N / M
+per host; host 0 runs rank 0 (the executor proper) and its local ranks; every other host runs
+`python -m executor_svc ... --node-rank K`, which serves nothing and only starts its ranks
+(`run_node`). All meet at `--master-addr:--master-port` (torch.distributed's TCP rendezvous, which
+has no authentication: keep it on a private network).
+
+Failure: gloo on CPU, NCCL on CUDA. Rank 0 watches the ranks it started; if one exits, rank 0
+logs it and exits too (status 1), so the step in flight fails with UNAVAILABLE at the scheduler,
+which resynchronises with a restarted executor like after any executor crash. A rank on another
+host that dies makes rank 0's next collective fail, and the server then exits the same way
+(executor_svc/server.py). Ranks die with the process that started them (PR_SET_PDEATHSIG on
+Linux; otherwise their next collective fails).
 """
 
 from __future__ import annotations
@@ -109,6 +117,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def local_ranks(size: int, nnodes: int = 1, node_rank: int = 0) -> range:
+    """The ranks that run on host `node_rank` of `nnodes`."""
+    per = size // nnodes
+    return range(node_rank * per, (node_rank + 1) * per)
+
+
 def init_group(rank: int, size: int, master_addr: str, master_port: int, backend: str) -> TPGroup:
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                             world_size=size, timeout=COLLECTIVE_TIMEOUT)
@@ -137,28 +151,37 @@ def broadcast(command: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
     return received
 
 
+def spawn_ranks(config, ranks, size: int, master_addr: str, master_port: int) -> list:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # a clean interpreter per rank: no forked torch/gRPC threads
+    procs = [ctx.Process(target=worker_main, args=(config, rank, size, master_addr, master_port),
+                         name=f"chunkwise-tp-rank{rank}", daemon=True) for rank in ranks]
+    for p in procs:
+        p.start()
+    if procs:
+        logger.info("tensor parallel: started ranks %s of %d (pids %s), rendezvous %s:%d",
+                    ", ".join(map(str, ranks)), size, ", ".join(str(p.pid) for p in procs), master_addr, master_port)
+    return procs
+
+
 class Ranks:
-    """Rank 0's handle on ranks 1..N-1: starts them, broadcasts to them, watches them."""
+    """Rank 0's handle on the other ranks: starts those of its host, broadcasts to all, watches
+    the ones it started."""
 
     def __init__(self, config, size: int, master_addr: str = "127.0.0.1", master_port: int | None = None):
-        import torch.multiprocessing as mp
-
         self.size = size
+        nnodes = getattr(config, "nnodes", 1)
         port = master_port or free_port(master_addr)
-        ctx = mp.get_context("spawn")  # a clean interpreter per rank: no forked torch/gRPC threads
-        self.procs = [
-            ctx.Process(target=worker_main, args=(config, rank, size, master_addr, port),
-                        name=f"chunkwise-tp-rank{rank}", daemon=True)
-            for rank in range(1, size)
-        ]
-        for p in self.procs:
-            p.start()
-        logger.info("tensor parallel: started ranks 1..%d (pids %s), rendezvous %s:%d",
-                    size - 1, ", ".join(str(p.pid) for p in self.procs), master_addr, port)
+        self.procs = spawn_ranks(config, local_ranks(size, nnodes, 0)[1:], size, master_addr, port)
+        if nnodes > 1:
+            logger.info("tensor parallel: waiting at %s:%d for the ranks of %d other host(s)",
+                        master_addr, port, nnodes - 1)
         self._closing = False
         # Watched from now on: a rank that fails while loading must not leave rank 0 waiting for
         # it at the rendezvous until the collective timeout.
-        threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
+        if self.procs:
+            threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
         self.group = init_group(0, size, master_addr, port, backend_for(config_device(config)))
 
     def _watch(self) -> None:
@@ -200,6 +223,36 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def run_node(config) -> int:
+    """A host other than rank 0's (`--node-rank K > 0`): start this host's ranks, wait for them,
+    and return the first non-zero exit status (SIGTERM/SIGINT stop them)."""
+    from multiprocessing.connection import wait
+
+    size = config.tensor_parallel_size
+    ranks = local_ranks(size, config.nnodes, config.node_rank)
+    procs = spawn_ranks(config, ranks, size, config.master_addr, config.master_port)
+
+    def stop(*_):
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    pending = list(procs)
+    status = 0
+    while pending:
+        for sentinel in wait([p.sentinel for p in pending]):
+            p = next(p for p in pending if p.sentinel == sentinel)
+            p.join()
+            pending.remove(p)
+            if p.exitcode and not status:
+                status = 1
+                logger.error("tensor parallel: %s exited with %s; stopping this host's other ranks", p.name, p.exitcode)
+                stop()
+    return status
 
 
 def worker_main(config, rank: int, size: int, master_addr: str, master_port: int) -> None:

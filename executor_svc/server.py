@@ -10,6 +10,7 @@ n failed, so that it never runs on top of state n did not leave.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -91,6 +92,14 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                     result = self._runner.execute(plan)  # times itself: StepResult.execute_seconds
                 except PlanError as e:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
+                except Exception as e:
+                    if self._runner.tp.size == 1:
+                        raise
+                    # A collective failed: a rank (on another host) is gone, and the ranks' states
+                    # have parted. Fail the step as "executor lost" and exit, to be restarted whole.
+                    log.error("step %d: tensor-parallel collective failed (%s); exiting", plan.step_id, e)
+                    threading.Timer(0.5, os._exit, (1,)).start()
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "a tensor-parallel rank failed; the executor is restarting")
                 ran = True
                 return codec.result_to_proto(result)
             finally:

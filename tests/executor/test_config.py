@@ -121,3 +121,19 @@ def test_tls_flags_belong_to_the_config(tmp_path):
         parse(["--tls-cert-file", str(cert)])
     with pytest.raises(ConfigError, match="--tls-key-file .* is not a readable file"):
         parse(["--tls-cert-file", str(cert), "--tls-key-file", str(tmp_path / "missing.pem")])
+
+
+def test_tensor_parallel_flags():
+    c = ExecutorConfig.from_args(["-tp", "4", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+                                  "--master-port", "29500"], env={})
+    assert (c.tensor_parallel_size, c.nnodes, c.node_rank, c.master_addr, c.master_port) == (4, 2, 1, "10.0.0.1", 29500)
+    assert ExecutorConfig.from_args([], env={"CHUNKWISE_TENSOR_PARALLEL_SIZE": "2"}).tensor_parallel_size == 2
+    for args, message in (
+        (["-tp", "0"], "--tensor-parallel-size must be >= 1"),
+        (["-tp", "3", "--nnodes", "2", "--master-port", "1"], "must be a multiple of --nnodes 2"),
+        (["-tp", "2", "--nnodes", "2", "--node-rank", "2", "--master-port", "1"], r"--node-rank must be in \[0, 2\)"),
+        (["-tp", "2", "--nnodes", "2"], "needs --master-addr and --master-port"),
+        (["--master-port", "70000"], r"--master-port must be in \[1, 65535\]"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            ExecutorConfig.from_args(args, env={})

@@ -1,7 +1,9 @@
 """Tensor parallelism end to end (CPU, gloo, `--tensor-parallel-size 2`): greedy outputs through the
 scheduler equal transformers' in all four CP/PC configurations; killing rank 1 mid-run makes the
 executor exit, the requests in flight end with UNAVAILABLE within the wait bound (no hang), and
-the stack serves again once the executor is restarted."""
+the stack serves again once the executor is restarted. The same over "two hosts" (`--nnodes 2`,
+both on loopback here): rank 1 started by its own `--node-rank 1` process, whose death fails the
+next step and ends the executor."""
 
 from __future__ import annotations
 
@@ -12,11 +14,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import subprocess
+import sys
+
 import grpc
 import pytest
 
 from client import Client
-from reliability_helpers import BLOCK, MAX_MODEL_LEN, Deployment, StreamInThread, assert_no_leak, wait_idle, wait_until
+from reliability_helpers import (
+    BLOCK, MAX_MODEL_LEN, Deployment, StreamInThread, assert_no_leak, free_port, wait_idle, wait_until,
+)
 
 COMBOS = [(True, True), (True, False), (False, True), (False, False)]
 IDS = ["CP+PC", "CP-only", "PC-only", "neither"]
@@ -121,3 +128,31 @@ def _serves(c: Client, prompt) -> bool:
         return True
     except ChunkwiseError:
         return False
+
+
+def test_two_hosts_by_node_rank(model_dir, reference):
+    port = free_port()
+    common = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    host1 = subprocess.Popen([sys.executable, "-m", "executor_svc", "--model", str(model_dir), "--dtype", "float32",
+                              *common, "--node-rank", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    dep = Deployment(model_dir, ["--num-kv-blocks", "64", *common], ["--executor-wait-timeout", "4"])
+    try:
+        dep.start()
+        ps = prompts(6, 3)
+        with dep.client(timeout=120) as c:
+            for p in ps:
+                reference.check(p, 12, c.generate(prompt_token_ids=p, max_tokens=12, temperature=0).token_ids)
+            assert_no_leak(wait_idle(c))
+        streams = [StreamInThread(dep.address, p, max_tokens=150, temperature=0, ignore_eos=True) for p in ps]
+        for s in streams:
+            assert s.first_chunk.wait(60)
+        host1.kill()  # "the other host" goes away; its rank dies with it
+        wait_until(lambda: not dep.executor.alive(), 60, "rank 0 to exit after its collective failed")
+        for s in streams:
+            s.join(60)
+            assert s.error is not None and s.error.code == grpc.StatusCode.UNAVAILABLE, (s.error, s.finish)
+    finally:
+        if host1.poll() is None:
+            host1.kill()
+        host1.wait(30)
+        dep.stop()
