@@ -88,8 +88,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     ns = p.parse_args(argv)
 
+    import torch
+
     from executor_svc.config import ExecutorConfig
     from executor_svc.engine import ModelRunner
+    from executor_svc.parallel import threads_per_rank
     from model_fixtures import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="tp-bench-")), "llama", **SHAPE)
@@ -105,14 +108,8 @@ def main(argv=None) -> int:
     try:
         for rnd in range(ns.rounds):
             for tp in ((1, 2) if rnd % 2 == 0 else (2, 1)):
-                if tp == 1:  # the TP=2 runner set the process to one thread per rank
-                    import torch
-
-                    torch.set_num_threads(os.cpu_count() or 1)
-                else:
-                    import torch
-
-                    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
+                # The TP=2 runner set this process to one share of the cores; TP=1 gets them all.
+                torch.set_num_threads(threads_per_rank(tp))
                 res, step = measure(runners[tp], block_size, ns.context, ns.batch, ns.prefill, ns.repeats, step)
                 rows.append({"round": rnd, "tp": tp, **{f"{k}_{f}": v for k, d in res.items() for f, v in d.items()},
                              "loadavg_1m": os.getloadavg()[0]})

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -47,7 +46,7 @@ from .attention.paged_decode import PagedDecodeKernel
 from .config import ExecutorConfig
 from .kv_cache import KVCache, KVCacheShape, plan_num_blocks
 from .loader import load_model, read_spec
-from .parallel import SINGLE, Ranks, TPGroup, broadcast, check_divisible, resolve_for_ranks
+from .parallel import SINGLE, Ranks, TPGroup, broadcast, check_divisible, resolve_for_ranks, threads_per_rank
 from .sampling import new_random_seed, sample
 
 logger = logging.getLogger("chunkwise.executor")
@@ -146,7 +145,7 @@ class ModelRunner:
             spec, _ = read_spec(config.model, config.max_model_len)  # refuse before starting anything
             check_divisible(spec.num_heads, spec.num_kv_heads, spec.intermediate_size, size, spec.architecture)
             if config.resolved_device() == "cpu":
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # one share of the cores per rank
+                torch.set_num_threads(threads_per_rank(size))  # one share of the cores per rank
             self._ranks = Ranks(config, size, config.master_addr, config.master_port)
             tp = self._ranks.group
         self.tp = tp or SINGLE
@@ -300,10 +299,10 @@ class ModelRunner:
         self.last_layout = batch.layout
         attend = StepAttention(self.backend, self.kv_cache, batch.layout)
         hidden = self.model(batch.input_ids, batch.positions, attend)
+        for c in plan.chunks:
+            st = self._requests[c.req_id]
+            st.kv_end = c.end if st.kv_end is None else max(st.kv_end, c.end)
         if not do_sample:  # another rank: its part of the forward is done
-            for c in plan.chunks:
-                st = self._requests[c.req_id]
-                st.kv_end = c.end if st.kv_end is None else max(st.kv_end, c.end)
             return StepResult(plan.step_id, [], time.perf_counter() - t0), {}
 
         all_logits: dict[str, torch.Tensor] = {}
@@ -318,10 +317,6 @@ class ModelRunner:
             sample_logits = self.model.compute_logits(hidden.index_select(0, rows))
         else:
             sample_logits = hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32)
-
-        for c in plan.chunks:
-            st = self._requests[c.req_id]
-            st.kv_end = c.end if st.kv_end is None else max(st.kv_end, c.end)
 
         sampled: list[SampledToken] = []
         if batch.sample_chunks:

@@ -107,6 +107,11 @@ def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, s
             f"{', '.join(map(str, ok))}")
 
 
+def threads_per_rank(size: int) -> int:
+    """CPU threads for one of `size` ranks sharing this host's cores."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -171,7 +176,7 @@ class Ranks:
 
     def __init__(self, config, size: int, master_addr: str = "127.0.0.1", master_port: int | None = None):
         self.size = size
-        nnodes = getattr(config, "nnodes", 1)
+        nnodes = config.nnodes
         port = master_port or free_port(master_addr)
         self.procs = spawn_ranks(config, local_ranks(size, nnodes, 0)[1:], size, master_addr, port)
         if nnodes > 1:
@@ -265,7 +270,7 @@ def worker_main(config, rank: int, size: int, master_addr: str, master_port: int
     setup_logging()
     device = config_device(config)
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        torch.set_num_threads(threads_per_rank(size))
     else:
         torch.cuda.set_device(rank)
     group = init_group(rank, size, master_addr, master_port, backend_for(device))
