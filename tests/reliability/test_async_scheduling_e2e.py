@@ -48,8 +48,13 @@ def workload() -> list[dict]:
         return shared + [rng.randrange(3, 384) for _ in range(n)]
 
     reqs = []
-    for i in range(4):  # greedy, long enough to preempt each other
+    for i in range(4):  # greedy; 0 and 1 get stop tokens mid-way
         reqs.append(dict(prompt_token_ids=prompt(40 + 13 * i), max_tokens=48, temperature=0, ignore_eos=True))
+    # 2 and 3 end at 226 and 239 tokens (15 blocks each, 30 > KV_BLOCKS). The rest of the burst is
+    # short, so the second of the two is admitted (7-8 prompt blocks) long before the first ends,
+    # and they cannot both grow to the end: one is preempted in every mode and configuration,
+    # rather than only when the threads' arrival order happens to make the burst overlap.
+    reqs[2]["max_tokens"] = reqs[3]["max_tokens"] = 120
     for i in range(2):  # seeded sampling
         reqs.append(dict(prompt_token_ids=prompt(20 + i), max_tokens=30, temperature=0.9, top_p=0.9, seed=7 + i,
                          ignore_eos=True))
