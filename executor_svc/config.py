@@ -12,6 +12,7 @@ torch is imported lazily so that `--help` and config parsing stay fast.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -21,7 +22,7 @@ from chunkwise.cliutil import env_name
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKEND_CHOICES = ("auto", "torch", "flash-attn")
+ATTENTION_BACKEND_CHOICES = ("auto", "torch", "flashinfer", "flash-attn")
 TOKEN_ENV = "CHUNKWISE_EXECUTOR_TOKEN"
 
 
@@ -197,14 +198,15 @@ class ExecutorConfig:
                          f"torch sees {_cuda_device_count()}")
             if self.dtype == "float16" and device != "cuda":
                 p.append("--dtype float16 is only supported on CUDA (use float32 or bfloat16 on CPU)")
-            if self.attention_backend == "flash-attn":
+            if self.attention_backend in ("flash-attn", "flashinfer"):
+                name, package = self.attention_backend, self.attention_backend.replace("-", "_")
                 if device != "cuda":
-                    p.append("--attention-backend flash-attn needs a CUDA device (use torch on CPU)")
+                    p.append(f"--attention-backend {name} needs a CUDA device (use torch on CPU)")
                 elif self.resolved_dtype_name() not in ("float16", "bfloat16"):
-                    p.append("--attention-backend flash-attn needs --dtype float16 or bfloat16")
-                elif not _flash_attn_importable():
-                    p.append("--attention-backend flash-attn was requested but the flash_attn package "
-                             "cannot be imported (pip install flash-attn, or use --attention-backend torch)")
+                    p.append(f"--attention-backend {name} needs --dtype float16 or bfloat16")
+                elif not _importable(package):
+                    p.append(f"--attention-backend {name} was requested but the {package} package "
+                             "cannot be imported (install it, or use --attention-backend torch)")
         if p:
             raise ConfigError("invalid executor configuration:\n  - " + "\n  - ".join(p))
 
@@ -297,9 +299,9 @@ def _cuda_device_count() -> int:
     return torch.cuda.device_count()
 
 
-def _flash_attn_importable() -> bool:
+def _importable(package: str) -> bool:
     try:
-        import flash_attn  # noqa: F401
+        importlib.import_module(package)
     except Exception:  # ImportError, or a broken CUDA extension raising OSError/RuntimeError
         return False
     return True

@@ -1,8 +1,10 @@
 """Attention backends behind one interface, and the choice between them.
 
 `torch`: the exact reference, CPU and CUDA, any block size.
+`flashinfer`: CUDA only, float16/bfloat16, any block size (not yet run on a GPU).
 `flash-attn`: CUDA only, float16/bfloat16, paged block size a multiple of 256 (stock flash-attn 2).
-`auto`: flash-attn when all of that holds, otherwise torch (logging why).
+`auto`: FlashInfer if it can run, else flash-attn if it can, else torch; the reason is returned
+(and logged by the runner) naming why each earlier choice was passed over.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import torch
 
 from .base import AttentionBackend, BatchLayout, StepAttention
+from .flashinfer_backend import FlashInferBackend, flashinfer_unavailable_reason
 from .flash_attn_backend import FLASH_ATTN_PAGE_MULTIPLE, FlashAttnBackend, flash_attn_unavailable_reason
 from .torch_backend import TorchAttentionBackend
 
@@ -24,25 +27,35 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype, hea
     yet" (a provisional answer). An explicit request that cannot be honoured raises ValueError."""
     if requested == "torch":
         return TorchAttentionBackend, "requested with --attention-backend torch"
-    if requested not in ("auto", "flash-attn"):
-        raise ValueError(f"unknown attention backend {requested!r}; choose auto, torch or flash-attn")
+    if requested not in ("auto", "flashinfer", "flash-attn"):
+        raise ValueError(f"unknown attention backend {requested!r}; choose auto, torch, flashinfer or flash-attn")
+    flashinfer_reason = flashinfer_unavailable_reason(device, dtype, head_dim)
+    if requested == "flashinfer":
+        if flashinfer_reason is not None:
+            raise ValueError(f"--attention-backend flashinfer cannot be used: {flashinfer_reason}")
+        return FlashInferBackend, "requested with --attention-backend flashinfer"
     reason = flash_attn_unavailable_reason(device, dtype, head_dim, block_size)
     if requested == "flash-attn":
         if reason is not None:
             raise ValueError(f"--attention-backend flash-attn cannot be used: {reason}")
         return FlashAttnBackend, "requested with --attention-backend flash-attn"
+    if flashinfer_reason is None:
+        return FlashInferBackend, "auto: CUDA, flashinfer importable, fp16/bf16 (any block size)"
     if reason is None:
-        return FlashAttnBackend, "auto: CUDA, flash-attn importable, fp16/bf16 and a compatible block size"
-    return TorchAttentionBackend, f"auto: not using flash-attn because {reason}"
-
+        return FlashAttnBackend, (f"auto: not using FlashInfer because {flashinfer_reason}; flash-attn: CUDA, "
+                                  "fp16/bf16 and a compatible block size")
+    return TorchAttentionBackend, (f"auto: not using FlashInfer because {flashinfer_reason}; "
+                                   f"not using flash-attn because {reason}")
 
 __all__ = [
     "AttentionBackend",
     "BatchLayout",
     "FLASH_ATTN_PAGE_MULTIPLE",
     "FlashAttnBackend",
+    "FlashInferBackend",
     "StepAttention",
     "TorchAttentionBackend",
     "flash_attn_unavailable_reason",
+    "flashinfer_unavailable_reason",
     "select_backend",
 ]

@@ -26,13 +26,13 @@ from executor_svc.kv_cache import KVCache, KVCacheShape
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
 
-def build_case(chunks, block_size, num_blocks, device="cpu", dtype=torch.float32, seed=0):
+def build_case(chunks, block_size, num_blocks, device="cpu", dtype=torch.float32, seed=0, dim=DIM):
     """chunks: [(num_computed, num_tokens, kv_write_start)]. Returns the layout, a cache holding
     random 'cached' KV for positions below kv_write_start, q/k/v for the batch, and the full
     per-request K/V sequences (cached part + this step's part) for the reference."""
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    cache = KVCache(KVCacheShape(1, KV_HEADS, DIM, dtype), num_blocks, block_size, device)
+    cache = KVCache(KVCacheShape(1, KV_HEADS, dim, dtype), num_blocks, block_size, device)
     starts, tables, nbs, full_k, full_v, qs, ks, vs = [0], [], [], [], [], [], [], []
     write_rows, slots = [], []
     for computed, n, ws in chunks:
@@ -41,8 +41,8 @@ def build_case(chunks, block_size, num_blocks, device="cpu", dtype=torch.float32
         blocks, perm = perm[:nb], perm[nb:]
         tables.append(torch.tensor(blocks))
         nbs.append(nb)
-        kf = torch.randn(end, KV_HEADS, DIM, generator=g)
-        vf = torch.randn(end, KV_HEADS, DIM, generator=g)
+        kf = torch.randn(end, KV_HEADS, dim, generator=g)
+        vf = torch.randn(end, KV_HEADS, dim, generator=g)
         k_flat, v_flat = cache.flat(0)
         for p in range(ws):  # the cached part already lives in the cache
             s = blocks[p // block_size] * block_size + p % block_size
@@ -53,7 +53,7 @@ def build_case(chunks, block_size, num_blocks, device="cpu", dtype=torch.float32
                 slots.append(blocks[p // block_size] * block_size + p % block_size)
         full_k.append(kf)
         full_v.append(vf)
-        qs.append(torch.randn(n, HEADS, DIM, generator=g))
+        qs.append(torch.randn(n, HEADS, dim, generator=g))
         ks.append(kf[computed:end])
         vs.append(vf[computed:end])
         starts.append(starts[-1] + n)
