@@ -65,7 +65,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     dtype: str  # "float32" | "bfloat16" | "float16"
     device: str  # "cpu", "cuda:0", ...
-    attention_backend: str  # "torch" | "flash-attn" (provisional until initialize())
+    attention_backend: str  # "torch" | "flashinfer" | "flash-attn" (provisional until initialize())
     num_parameters: int
     decode_attention: str = ""  # torch backend: "paged-inductor" | "sdpa-folded"; else the backend's name
     num_layers: int = 0

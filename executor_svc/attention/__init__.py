@@ -14,8 +14,8 @@ import logging
 import torch
 
 from .base import AttentionBackend, BatchLayout, StepAttention
-from .flashinfer_backend import FlashInferBackend, flashinfer_unavailable_reason
 from .flash_attn_backend import FLASH_ATTN_PAGE_MULTIPLE, FlashAttnBackend, flash_attn_unavailable_reason
+from .flashinfer_backend import FlashInferBackend, flashinfer_unavailable_reason
 from .torch_backend import TorchAttentionBackend
 
 logger = logging.getLogger("chunkwise.executor.attention")
@@ -46,6 +46,7 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype, hea
                                   "fp16/bf16 and a compatible block size")
     return TorchAttentionBackend, (f"auto: not using FlashInfer because {flashinfer_reason}; "
                                    f"not using flash-attn because {reason}")
+
 
 __all__ = [
     "AttentionBackend",

@@ -44,7 +44,7 @@ def flashinfer_unavailable_reason(device: torch.device, dtype: torch.dtype, head
     if dtype not in (torch.float16, torch.bfloat16):
         return f"dtype is {str(dtype).removeprefix('torch.')}, FlashInfer needs float16 or bfloat16"
     if head_dim not in (64, 128, 256):
-        return f"head_dim {head_dim} is not one FlashInfer's prebuilt kernels cover (64, 128, 256)"
+        return f"head_dim {head_dim} is not one of the head sizes FlashInfer's prebuilt kernels cover (64, 128, 256)"
     try:
         import_flashinfer()
     except ImportError as e:
