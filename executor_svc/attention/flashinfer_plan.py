@@ -51,7 +51,7 @@ def paged_kv_indices(layout: BatchLayout) -> PagedKVIndices:
     return PagedKVIndices(
         qo_indptr=torch.tensor(layout.query_start, dtype=torch.int32, device=device),
         paged_kv_indptr=torch.tensor(kv_indptr, dtype=torch.int32, device=device),
-        paged_kv_indices=torch.cat(pages).to(torch.int32) if pages else torch.zeros(0, dtype=torch.int32),
+        paged_kv_indices=torch.cat(pages).to(torch.int32) if pages else torch.zeros(0, dtype=torch.int32, device=device),
         paged_kv_last_page_len=torch.tensor([(c - 1) % bs + 1 for c in layout.context_lens],
                                             dtype=torch.int32, device=device),
         page_size=bs,
