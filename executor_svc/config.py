@@ -22,7 +22,7 @@ from chunkwise.cliutil import env_name
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKEND_CHOICES = ("auto", "torch", "flashinfer", "flash-attn")
+ATTENTION_BACKEND_CHOICES = ("auto", "torch", "flashinfer", "flash-attn", "flex")
 TOKEN_ENV = "CHUNKWISE_EXECUTOR_TOKEN"
 
 
@@ -207,6 +207,9 @@ class ExecutorConfig:
                 elif not _importable(package):
                     p.append(f"--attention-backend {name} was requested but the {package} package "
                              "cannot be imported (install it, or use --attention-backend torch)")
+            if self.attention_backend == "flex" and device == "cuda" and not _importable("triton"):
+                p.append("--attention-backend flex on CUDA needs triton (FlexAttention compiles to Triton "
+                         "kernels there); install it, or use --attention-backend torch")
         if p:
             raise ConfigError("invalid executor configuration:\n  - " + "\n  - ".join(p))
 

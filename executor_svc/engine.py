@@ -41,7 +41,8 @@ from chunkwise.plan import (
     validate_chunk_geometry,
 )
 
-from .attention import AttentionBackend, BatchLayout, StepAttention, TorchAttentionBackend, select_backend
+from .attention import (AttentionBackend, BatchLayout, FlexAttentionBackend, StepAttention, TorchAttentionBackend,
+                        select_backend)
 from .attention.paged_decode import PagedDecodeKernel
 from .config import ExecutorConfig
 from .kv_cache import KVCache, KVCacheShape, plan_num_blocks
@@ -247,6 +248,10 @@ class ModelRunner:
                 self.num_heads, self.num_kv_heads, self.spec.head_dim, decode_kernel=self.decode_kernel)
             backend: AttentionBackend = torch_backend
             decode = torch_backend.decode_path
+        elif backend_cls is FlexAttentionBackend:  # --enforce-eager: FlexAttention's dense eager reference
+            backend = FlexAttentionBackend(self.num_heads, self.num_kv_heads, self.spec.head_dim,
+                                           compile=not self.config.enforce_eager)
+            decode = backend_cls.name
         else:
             backend = backend_cls(self.num_heads, self.num_kv_heads, self.spec.head_dim)
             decode = backend_cls.name

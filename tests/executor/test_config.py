@@ -78,6 +78,7 @@ def test_cpu_only_checks():
         parse(["--device", "cuda"])
     with pytest.raises(ConfigError, match="flash-attn needs a CUDA device"):
         parse(["--attention-backend", "flash-attn"])
+    assert parse(["--attention-backend", "flex"]).attention_backend == "flex"  # runs on CPU too
 
 
 def test_auto_dtype_follows_the_cpu_flags(tmp_path, monkeypatch):

@@ -96,6 +96,7 @@ def test_auto_prefers_flashinfer_then_flash_attn_then_torch_and_says_why(monkeyp
     cls, reason = select_backend("auto", cuda, bf16, 64, 256)
     assert cls is FlashAttnBackend and "not using FlashInfer because flashinfer is not importable" in reason
     monkeypatch.setattr(attention, "flash_attn_unavailable_reason", lambda *a: "block size 16 is not a multiple")
+    monkeypatch.setattr(attention, "flex_attention_unavailable_reason", lambda *a: "triton is not importable")
     cls, reason = select_backend("auto", cuda, bf16, 64, 16)
     assert cls is TorchAttentionBackend and "block size 16" in reason
 
