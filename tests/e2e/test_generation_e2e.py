@@ -77,8 +77,24 @@ def wait_idle(client: Client, timeout: float = 10.0) -> dict:
 
 @pytest.mark.parametrize("chunked,caching", COMBOS)
 def test_concurrent_shared_prefixes_match_transformers(tiny_llama_dir, reference, chunked, caching):
+    check_concurrent_shared_prefixes(tiny_llama_dir, reference, chunked, caching, [])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("chunked,caching", COMBOS)
+def test_concurrent_shared_prefixes_on_cuda_match_transformers(tiny_llama_dir, reference, chunked, caching):
+    """The same on a GPU, float32 (auto picks FlexAttention where triton is, else torch)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    check_concurrent_shared_prefixes(tiny_llama_dir, reference, chunked, caching, ["--device", "cuda"])
+
+
+def check_concurrent_shared_prefixes(tiny_llama_dir, reference, chunked, caching, executor_args):
     prompts = shared_prefix_prompts(seed=1, n=8)
-    with running_stack(tiny_llama_dir, ["--num-kv-blocks", "256"], scheduler_flags(chunked, caching)) as stack:
+    with running_stack(tiny_llama_dir, ["--num-kv-blocks", "256", *executor_args],
+                       scheduler_flags(chunked, caching)) as stack:
         results = run_concurrently(stack.address, prompts, max_tokens=12)
         for p, r in zip(prompts, results):
             reference.check(p, 12, r.token_ids)

@@ -134,3 +134,25 @@ class Driver:
     def logits_matrix(self, rid: str, start: int, end: int) -> torch.Tensor:
         r = self.reqs[rid]
         return torch.stack([r.logits[p] for p in range(start, end)])
+
+
+def run_chunked_cached_mixed(runner: ModelRunner) -> tuple[Driver, list[tuple[str, int]]]:
+    """One short scenario with every kind of row: "warm"'s prompt in two chunks, "dec" prefilled
+    and then decoding in every step, "a" hitting warm's cached blocks of the 32 tokens they share
+    and computing the rest in chunks of 7, 1 and 16 beside decodes, then its last chunk. The
+    block size must divide 32. Returns
+    the driver and (request, first position whose logits it computed) for checking."""
+    d = Driver(runner, seed=3)
+    bs = runner.block_size
+    assert 32 % bs == 0, bs
+    shared = random_tokens(32, seed=20)
+    warm = d.add("warm", shared + random_tokens(11, seed=21))
+    d.step({"warm": 20})
+    d.step({"warm": None})
+    d.add("dec", random_tokens(9, seed=22))
+    d.step({"dec": None, "warm": 1})
+    d.add("a", shared + random_tokens(30, seed=23), cached_blocks=warm.blocks[: 32 // bs])
+    for n in (7, 1, 16):
+        d.step({"dec": 1, "a": n, "warm": 1})
+    d.step({"a": None, "dec": 1})
+    return d, [("warm", 0), ("dec", 0), ("a", 32)]

@@ -78,30 +78,20 @@ def test_runner_through_flex_matches_transformers(tiny_llama_path):
     transformers at every position."""
     from model_fixtures import load_reference
 
-    from .helpers import Driver, hf_logits, make_runner, random_tokens
+    from .helpers import hf_logits, make_runner, run_chunked_cached_mixed
     from .test_chunked_prefill import ATOL
 
     torch._dynamo.reset()
     runner = make_runner(tiny_llama_path, block_size=8, num_kv_blocks=64, attention_backend="flex")
     assert runner.info.attention_backend == runner.info.decode_attention == "flex"
-    d = Driver(runner, seed=3)
-    shared = random_tokens(24, seed=20)  # 3 full blocks
-    warm = d.add("warm", shared + random_tokens(11, seed=21))
-    d.step({"warm": 20})
-    d.step({"warm": None})
-    dec = d.add("dec", random_tokens(9, seed=22))
-    d.step({"dec": None, "warm": 1})
-    d.add("a", shared + random_tokens(30, seed=23), cached_blocks=warm.blocks[:3])
-    for n in (7, 1, 16):
-        d.step({"dec": 1, "a": n, "warm": 1})
-    d.step({"a": None, "dec": 1})
+    d, checked = run_chunked_cached_mixed(runner)
     ref = load_reference(tiny_llama_path)
-    for rid, start in (("warm", 0), ("dec", 0), ("a", 24)):
+    for rid, start in checked:
         r = d.reqs[rid]
         end = max(r.logits) + 1
         torch.testing.assert_close(d.logits_matrix(rid, start, end), hf_logits(ref, r.tokens[:end])[start:end],
                                    atol=ATOL, rtol=0)
-    assert len(dec.outputs) == 5
+    assert len(d.reqs["dec"].outputs) == 5
 
 
 def test_auto_never_picks_flex_on_cpu_and_explicit_flex_is_checked(monkeypatch):
