@@ -27,6 +27,7 @@ zeroed and only ever written with K/V, which keeps them so.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,11 +45,8 @@ def flex_attention_unavailable_reason(device: torch.device, block_size: int | No
     if device.type == "cpu" and block_size == 1:
         # torch 2.13's C++ FlexAttention template fails to compile KV tiles of one slot.
         return "on CPU it needs --block-size of at least 2 (inductor's CPU template)"
-    if device.type == "cuda":
-        try:
-            import triton  # noqa: F401  (inductor's CUDA kernels are Triton)
-        except ImportError:
-            return "triton is not importable (FlexAttention compiles to Triton on CUDA)"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:  # inductor's CUDA kernels
+        return "triton is not importable (FlexAttention compiles to Triton on CUDA)"
     return None
 
 
