@@ -5,9 +5,10 @@
 # position under chunking, cache hits and mixed decodes; greedy end to end in all four CP/PC
 # configs; the NCCL tensor-parallel test where two GPUs exist), then the step-time run of
 # bench/cuda_step.py (a random TinyLlama-1.1B-shaped model, every backend side by side), and
-# print one summary. Budget: under 8 minutes on one GPU. On a machine with no registry (the lent
-# one), run scripts/device-wheels.sh here first, carry .whl, and set DEVICE_CHECK_PYTHON=python3. `DEVICE_CHECK_PYTEST_TIMEOUT` (default
-# 300 s) caps the tests, `DEVICE_CHECK_BENCH_TIMEOUT` (default 150 s) the step-time run.
+# print one summary. Budget: under 8 minutes on one GPU. `DEVICE_CHECK_PYTEST_TIMEOUT` (default
+# 300 s) caps the tests, `DEVICE_CHECK_BENCH_TIMEOUT` (default 150 s) the step-time run. On a
+# machine with no registry (the lent one), run scripts/device-wheels.sh on this side first, carry
+# .whl, and set DEVICE_CHECK_PYTHON=python3 there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)

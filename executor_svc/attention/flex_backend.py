@@ -18,7 +18,9 @@ first by `write_kv` (rows at or after kv_write_start: never into cached blocks).
 This is the torch fallback for CUDA when FlashInfer is missing (compiled by inductor into a
 Triton kernel there; not yet run on a GPU). On CPU it runs too (inductor's C++ template when
 compiled, else FlexAttention's dense eager reference), which is how its exactness is tested
-here; it is not chosen on CPU by `auto`, where the paged decode kernel is faster.
+here; it is not chosen on CPU by `auto`, where the paged decode kernel is several times faster.
+On CPU it is a test path: each new step shape compiles anew, and past torch's recompile limit
+(or with --enforce-eager) the dense reference scores every slot of the cache for every row.
 
 Slots no request owns are multiplied by a zero weight, not skipped, inside a listed block (and
 everywhere in the eager reference), so they must hold finite values: the cache is allocated
@@ -98,7 +100,6 @@ class FlexAttentionBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         # Compiled, FlexAttention is one fused kernel that honours the block mask's sparsity;
         # eager, it is the dense reference (every slot scored, then masked): exact but slow.
-        self._compile = compile
         self._attend: Any = None if compile else flex_attention
 
     def _compiled(self, device: torch.device) -> Any:

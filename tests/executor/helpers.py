@@ -140,8 +140,8 @@ def run_chunked_cached_mixed(runner: ModelRunner) -> tuple[Driver, list[tuple[st
     """One short scenario with every kind of row: "warm"'s prompt in two chunks, "dec" prefilled
     and then decoding in every step, "a" hitting warm's cached blocks of the 32 tokens they share
     and computing the rest in chunks of 7, 1 and 16 beside decodes, then its last chunk. The
-    block size must divide 32. Returns
-    the driver and (request, first position whose logits it computed) for checking."""
+    block size must divide 32. Returns the driver and, for checking, each request with the
+    first position whose logits it computed."""
     d = Driver(runner, seed=3)
     bs = runner.block_size
     assert 32 % bs == 0, bs
