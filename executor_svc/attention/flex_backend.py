@@ -9,7 +9,8 @@ query rows are one query sequence. Which slots a row may see is said twice, and 
   block tables, never by evaluating the mask over T x cache slots;
 - the mask_mod (exactness): row q of request r sees slot s if s's block is r's logical block j
   and j * block_size + (s % block_size) <= the position of q. A per-step table maps each
-  physical block to its logical index in each request's table (-1: not r's).
+  physical block to its one logical index (-1: nobody's in this step), and r's block table
+  says whether the block at that index is this one.
 
 So a chunk after a cached prefix sees the prefix and itself causally, a decode sees its whole
 context, and slots other requests own are never read into a row's softmax. K/V are written
@@ -56,6 +57,10 @@ def flex_attention_unavailable_reason(device: torch.device, block_size: int | No
     return None
 
 
+def _tight_kv_indices(device: torch.device) -> bool:
+    return device.type != "cpu"
+
+
 @dataclass
 class _FlexStep:
     row_request: torch.Tensor  # [T] int32 request index of each query row
@@ -65,35 +70,53 @@ class _FlexStep:
 
 def paged_block_mask(layout: BatchLayout, num_cache_blocks: int, row_request: torch.Tensor,
                      row_position: torch.Tensor) -> BlockMask:
-    """The step's BlockMask over a cache of `num_cache_blocks` blocks (see the module docstring)."""
+    """The step's BlockMask over a cache of `num_cache_blocks` blocks (see the module docstring).
+
+    Built on the host from the block tables (one copy of them back from the device, one copy of
+    the result there), so its size is the step's, never requests x cache blocks."""
     bs, device = layout.block_size, layout.block_table.device
     num_rows, num_req = layout.num_tokens, layout.num_requests
-    # logical[r, b]: which of r's blocks physical block b is, or -1.
-    logical = torch.full((max(num_req, 1), num_cache_blocks), -1, dtype=torch.int32, device=device)
-    tables = [layout.block_table[r, :nb] for r, nb in enumerate(layout.num_blocks)]
-    for r, blocks in enumerate(tables):
-        logical[r, blocks] = torch.arange(len(blocks), dtype=torch.int32, device=device)
+    table = layout.block_table.cpu()  # [R, max blocks], padded with 0
+    owned = torch.arange(table.shape[1]) < torch.tensor(layout.num_blocks).view(-1, 1)  # [R, max blocks]
+    # logical[b]: the logical index physical block b has in the tables of this step, or -1. A
+    # shared block is a prefix-cache hit, which is at the same logical index in every request that
+    # holds it (the prefix hash chains from position 0); anything else would make one table for
+    # all requests wrong, so it is refused, not attended.
+    phys, cols = table[owned], owned.nonzero()[:, 1]
+    logical = torch.full((num_cache_blocks,), -1, dtype=torch.int32)
+    logical[phys] = cols.to(torch.int32)
+    if not torch.equal(logical[phys], cols.to(torch.int32)):
+        raise ValueError("a physical block sits at two different logical indices in this step's block tables")
     num_tiles = max(1, -(-num_rows // Q_TILE))
     tile_blocks: list[torch.Tensor] = []
     for t in range(num_tiles):
         lo, hi = t * Q_TILE, min((t + 1) * Q_TILE, num_rows)
         members = [r for r in range(num_req) if layout.query_start[r] < hi and layout.query_start[r + 1] > lo]
-        blocks = torch.cat([tables[r] for r in members]) if members else torch.zeros(0, dtype=torch.int64, device=device)
-        tile_blocks.append(torch.unique(blocks))  # sorted, each block once
-    # FlexAttention's kv_indices row is as wide as the key sequence has blocks; entries past
-    # kv_num_blocks are never read.
-    kv_indices = torch.zeros((1, 1, num_tiles, num_cache_blocks), dtype=torch.int32, device=device)
+        rows = table[members][owned[members]]
+        tile_blocks.append(torch.unique(rows))  # sorted, each block once
+    # Entries of a kv_indices row past its kv_num_blocks are never read, so on CUDA the row is as
+    # wide as the step's widest tile needs (as vLLM's FlexAttention backend sizes it). Inductor's
+    # CPU template asserts a row as wide as the key sequence has blocks.
+    width = max(1, max(len(b) for b in tile_blocks)) if _tight_kv_indices(device) else num_cache_blocks
+    kv_indices = torch.zeros((1, 1, num_tiles, width), dtype=torch.int32)
     for t, blocks in enumerate(tile_blocks):
         kv_indices[0, 0, t, : len(blocks)] = blocks.to(torch.int32)
-    kv_num_blocks = torch.tensor([len(b) for b in tile_blocks], dtype=torch.int32, device=device).view(1, 1, -1)
+    kv_num_blocks = torch.tensor([len(b) for b in tile_blocks], dtype=torch.int32).view(1, 1, -1)
+    logical_dev, table_dev = logical.to(device), layout.block_table.to(torch.int32)
+    last_col = table.shape[1] - 1
 
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         r = row_request[q_idx]
-        j = logical[r, kv_idx // bs]
-        return (j >= 0) & (j * bs + kv_idx % bs <= row_position[q_idx])
+        block = kv_idx // bs
+        j = logical_dev[block]
+        mine = (j >= 0) & (table_dev[r, j.clamp(0, last_col)] == block)
+        # Columns of r's table past its own blocks (padding, or clamped) fail the position test:
+        # a row's position is below its context length <= num_blocks * block_size.
+        return mine & (j * bs + kv_idx % bs <= row_position[q_idx])
 
-    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_TILE, bs), mask_mod=mask_mod,
-                                    seq_lengths=(num_rows, num_cache_blocks * bs), compute_q_blocks=False)
+    return BlockMask.from_kv_blocks(kv_num_blocks.to(device), kv_indices.to(device), BLOCK_SIZE=(Q_TILE, bs),
+                                    mask_mod=mask_mod, seq_lengths=(num_rows, num_cache_blocks * bs),
+                                    compute_q_blocks=False)
 
 
 class FlexAttentionBackend(AttentionBackend):
@@ -114,13 +137,14 @@ class FlexAttentionBackend(AttentionBackend):
         return torch.compile(flex_attention, dynamic=False if device.type == "cpu" else None)
 
     def prepare(self, layout: BatchLayout) -> _FlexStep:
+        # On the host (the sizes are data-dependent), then one copy each to the device.
+        lens = torch.tensor(layout.query_lens)
+        row_request = torch.repeat_interleave(torch.arange(layout.num_requests, dtype=torch.int32), lens)
+        starts = torch.tensor(layout.query_start[:-1], dtype=torch.int32)
+        computed = torch.tensor(layout.num_computed, dtype=torch.int32)
+        row_position = torch.arange(layout.num_tokens, dtype=torch.int32) + (computed - starts).repeat_interleave(lens)
         device = layout.block_table.device
-        lens = torch.tensor(layout.query_lens, device=device)
-        row_request = torch.repeat_interleave(torch.arange(layout.num_requests, device=device), lens)
-        offsets = torch.arange(layout.num_tokens, device=device) - torch.repeat_interleave(
-            torch.tensor(layout.query_start[:-1], device=device), lens)
-        row_position = torch.repeat_interleave(torch.tensor(layout.num_computed, device=device), lens) + offsets
-        return _FlexStep(row_request.to(torch.int32), row_position.to(torch.int32))
+        return _FlexStep(row_request.to(device), row_position.to(device))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
                 layout: BatchLayout, prepared: _FlexStep) -> torch.Tensor:

@@ -72,6 +72,33 @@ def test_flex_backend_matches_naive_and_torch_backend(block_size, compiled):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_tight_kv_indices_as_on_cuda_match_naive(block_size, monkeypatch):
+    """The kv_indices layout CUDA gets (rows only as wide as the widest tile), through the eager
+    reference: the only way to run it on this CPU (inductor's CPU template wants full rows)."""
+    from executor_svc.attention import flex_backend
+
+    monkeypatch.setattr(flex_backend, "_tight_kv_indices", lambda device: True)
+    layout, cache, q, k, v, fk, fv = build_case(MANY, block_size, num_blocks=_blocks(block_size), seed=7)
+    _share_first_block(layout, 0, 5)
+    _stale_foreign_slots(layout, cache)
+    backend = FlexAttentionBackend(HEADS, KV_HEADS, DIM, compile=False)
+    step = StepAttention(backend, cache, layout)
+    got = step(0, q, k, v)
+    width = step.prepared.block_mask.kv_indices.shape[-1]
+    assert width < cache.num_blocks and width == int(step.prepared.block_mask.kv_num_blocks.max())
+    want = StepAttention(TorchAttentionBackend(HEADS, KV_HEADS, DIM), cache, layout)(0, q, k, v)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_block_at_two_logical_indices_is_refused():
+    layout, cache, *_ = build_case(MANY, 4, num_blocks=_blocks(4))
+    layout.block_table[5, 1] = layout.block_table[0, 0]  # req 0's block 0 as req 5's block 1
+    step = FlexAttentionBackend(HEADS, KV_HEADS, DIM, compile=False).prepare(layout)
+    with pytest.raises(ValueError, match="two different logical indices"):
+        paged_block_mask(layout, cache.num_blocks, step.row_request, step.row_position)
+
+
 def test_runner_through_flex_matches_transformers(tiny_llama_path):
     """The real model, compiled FlexAttention in every layer: a prompt in chunks, a prefix-cache
     hit whose chunks follow the cached blocks, and a decode riding along, logits against
