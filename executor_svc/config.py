@@ -193,9 +193,12 @@ class ExecutorConfig:
                 p.append("--device cuda was requested but torch sees no CUDA device")
             device = self.resolved_device() if (self.device != "cuda" or cuda) else "cuda"
             if (device == "cuda" and cuda and isinstance(self.tensor_parallel_size, int)
-                    and self.tensor_parallel_size > _cuda_device_count()):
-                p.append(f"--tensor-parallel-size {self.tensor_parallel_size} needs as many GPUs; "
-                         f"torch sees {_cuda_device_count()}")
+                    and isinstance(self.nnodes, int) and self.nnodes >= 1
+                    and self.tensor_parallel_size // self.nnodes > _cuda_device_count()):
+                # Each host runs its share of the ranks, one GPU each.
+                per_host = self.tensor_parallel_size // self.nnodes
+                p.append(f"--tensor-parallel-size {self.tensor_parallel_size} over --nnodes {self.nnodes} puts "
+                         f"{per_host} ranks on this host, one GPU each; torch sees {_cuda_device_count()}")
             if self.dtype == "float16" and device != "cuda":
                 p.append("--dtype float16 is only supported on CUDA (use float32 or bfloat16 on CPU)")
             if self.attention_backend in ("flash-attn", "flashinfer"):

@@ -146,7 +146,7 @@ class ModelRunner:
             spec, _ = read_spec(config.model, config.max_model_len)  # refuse before starting anything
             check_divisible(spec.num_heads, spec.num_kv_heads, spec.intermediate_size, size, spec.architecture)
             if config.resolved_device() == "cpu":
-                torch.set_num_threads(threads_per_rank(size))  # one share of the cores per rank
+                torch.set_num_threads(threads_per_rank(size // config.nnodes))  # a share of this host's cores
             self._ranks = Ranks(config, size, config.master_addr, config.master_port)
             tp = self._ranks.group
         self.tp = tp or SINGLE

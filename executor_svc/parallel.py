@@ -107,9 +107,9 @@ def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, s
             f"{', '.join(map(str, ok))}")
 
 
-def threads_per_rank(size: int) -> int:
-    """CPU threads for one of `size` ranks sharing this host's cores."""
-    return max(1, (os.cpu_count() or 1) // size)
+def threads_per_rank(ranks_here: int) -> int:
+    """CPU threads for one of the `ranks_here` ranks sharing this host's cores."""
+    return max(1, (os.cpu_count() or 1) // ranks_here)
 
 
 def backend_for(device: torch.device) -> str:
@@ -126,6 +126,12 @@ def local_ranks(size: int, nnodes: int = 1, node_rank: int = 0) -> range:
     """The ranks that run on host `node_rank` of `nnodes`."""
     per = size // nnodes
     return range(node_rank * per, (node_rank + 1) * per)
+
+
+def local_device_index(rank: int, size: int, nnodes: int = 1) -> int:
+    """The GPU of `rank` on its host: each host numbers its GPUs from 0 and runs size / nnodes
+    consecutive ranks (local_ranks), one GPU each."""
+    return rank - local_ranks(size, nnodes, rank // (size // nnodes)).start
 
 
 def init_group(rank: int, size: int, master_addr: str, master_port: int, backend: str) -> TPGroup:
@@ -270,9 +276,9 @@ def worker_main(config, rank: int, size: int, master_addr: str, master_port: int
     setup_logging()
     device = config_device(config)
     if device.type == "cpu":
-        torch.set_num_threads(threads_per_rank(size))
+        torch.set_num_threads(threads_per_rank(size // config.nnodes))
     else:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(local_device_index(rank, size, config.nnodes))
     group = init_group(rank, size, master_addr, master_port, backend_for(device))
     runner = ModelRunner(config, tp=group)
     logger.info("tensor parallel rank %d/%d ready", rank, size)

@@ -138,3 +138,19 @@ def test_tensor_parallel_flags():
     ):
         with pytest.raises(ConfigError, match=message):
             ExecutorConfig.from_args(args, env={})
+
+
+def test_tensor_parallel_gpus_are_counted_per_host(monkeypatch):
+    # Each host runs tp / nnodes ranks, one GPU each: two hosts with one GPU serve -tp 2.
+    import executor_svc.config as config_module
+    from executor_svc.parallel import local_device_index
+
+    monkeypatch.setattr(config_module, "_cuda_available", lambda: True)
+    monkeypatch.setattr(config_module, "_cuda_device_count", lambda: 1)
+    two_hosts = ["-tp", "2", "--nnodes", "2", "--master-port", "29500", "--device", "cuda", "--dtype", "bfloat16"]
+    assert ExecutorConfig.from_args(two_hosts, env={}).tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match="puts 2 ranks on this host, one GPU each; torch sees 1"):
+        ExecutorConfig.from_args(["-tp", "2", "--device", "cuda", "--dtype", "bfloat16"], env={})
+    # The GPU a rank takes is its index among this host's ranks (worker_main's set_device).
+    assert [local_device_index(r, 4, nnodes=2) for r in range(4)] == [0, 1, 0, 1]
+    assert [local_device_index(r, 4) for r in range(4)] == [0, 1, 2, 3]
