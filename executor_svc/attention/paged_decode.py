@@ -45,7 +45,10 @@ WARM_UP_SLOTS = 256
 # keeps that decision for every later size. cpp.dynamic_threads keeps at least the outer loop of
 # every loop nest parallel whatever the hints said: without it, after a small warm-up batch the
 # softmax reductions were compiled `omp single`, one core idle for a third of the kernel.
-COMPILE_OPTIONS = {"cpp.dynamic_threads": True}
+# assert_indirect_indexing off: the generated loops would bounds-check every slot id they load
+# (a compare and branch in the innermost loop; 10% of the kernel in fp32, bench/RESULTS.md).
+# `PagedDecodeKernel.check_slots` checks them all once per step instead, before any layer runs.
+COMPILE_OPTIONS = {"cpp.dynamic_threads": True, "assert_indirect_indexing": False}
 
 
 def decode_slots(block_table: torch.Tensor, lens: list[int], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,6 +165,13 @@ class PagedDecodeKernel:
             tol = 1e-4 if dtype == torch.float32 else 2e-2
             if not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):
                 raise RuntimeError("the compiled kernel disagrees with the reference on the warm-up batch")
+
+    @staticmethod
+    def check_slots(slots: torch.Tensor, num_slots: int) -> None:
+        """Every slot id inside the cache: the compiled kernel does not check the ids it loads.
+        They come from block tables the runner validated, so this failing is a bug here."""
+        if slots.numel() and not (int(slots.min()) >= 0 and int(slots.max()) < num_slots):
+            raise IndexError(f"paged decode: a slot id outside the cache [0, {num_slots})")
 
     def __call__(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor,
                  lens: torch.Tensor, scale: float) -> torch.Tensor:

@@ -74,6 +74,7 @@ class _PagedDecode:
     num_rows: int  # B: the real rows, first in q_rows
     slots: torch.Tensor  # [B', L] cache slot of each key
     lens: torch.Tensor  # [B'] keys per row
+    checked: bool = False  # slots bounds-checked against the cache (first layer)
 
 
 @dataclass
@@ -191,6 +192,9 @@ class TorchAttentionBackend(AttentionBackend):
         if prepared.paged_decode is not None:
             d = prepared.paged_decode
             assert self.decode_kernel is not None
+            if not d.checked:
+                self.decode_kernel.check_slots(d.slots, layer_cache.shape[1] * layer_cache.shape[2])
+                d.checked = True
             o = self.decode_kernel(q.index_select(0, d.q_rows), layer_cache[0].flatten(0, 1),
                                    layer_cache[1].flatten(0, 1), d.slots, d.lens, self.scale)
             out.index_copy_(0, d.q_rows[: d.num_rows], o[: d.num_rows])

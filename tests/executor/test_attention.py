@@ -170,6 +170,15 @@ def test_paged_decode_runs_every_loop_nest_in_parallel():
     # Without the option the same small first call plans serial loops (what the option is for).
     plain = _compiled_cpp({})
     assert "omp single" in plain or "omp for" not in plain
+    # Slot ids are bounds-checked once per step (check_slots), not at every load in the loops.
+    assert "index out of bounds" in plain and "index out of bounds" not in code
+
+
+def test_slot_ids_outside_the_cache_are_refused_before_the_kernel_runs():
+    PagedDecodeKernel.check_slots(torch.tensor([[0, 5], [7, 0]]), num_slots=8)
+    for bad in (8, -1):
+        with pytest.raises(IndexError, match=r"outside the cache \[0, 8\)"):
+            PagedDecodeKernel.check_slots(torch.tensor([[0, bad], [7, 0]]), num_slots=8)
 
 
 def test_paged_decode_bf16_within_bf16_rounding_of_fp32():
