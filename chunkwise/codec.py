@@ -36,7 +36,6 @@ def model_info_to_proto(info) -> pb.ModelInfo:
         attention_backend=info.attention_backend,
         num_parameters=info.num_parameters,
         decode_attention=info.decode_attention,
-        layer_compute=info.layer_compute,
     )
 
 
@@ -56,7 +55,6 @@ def executor_info_from_proto(resp: pb.InitializeResponse) -> ExecutorInfo:
         device=m.device,
         attention_backend=m.attention_backend,
         decode_attention=m.decode_attention,
-        layer_compute=m.layer_compute,
     )
 
 

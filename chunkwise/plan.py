@@ -162,4 +162,3 @@ class ExecutorInfo:
     device: str
     attention_backend: str
     decode_attention: str = ""
-    layer_compute: str = ""

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -44,7 +43,7 @@ from chunkwise.plan import (
 
 from .attention import (AttentionBackend, BatchLayout, FlexAttentionBackend, StepAttention, TorchAttentionBackend,
                         select_backend)
-from .attention.paged_decode import PagedDecodeKernel, compiler_unavailable_reason, inductor_cache_dir
+from .attention.paged_decode import PagedDecodeKernel
 from .config import ExecutorConfig
 from .kv_cache import KVCache, KVCacheShape, plan_num_blocks
 from .loader import load_model, read_spec
@@ -70,7 +69,6 @@ class ModelInfo:
     attention_backend: str  # "torch" | "flashinfer" | "flash-attn" (provisional until initialize())
     num_parameters: int
     decode_attention: str = ""  # torch backend: "paged-inductor" | "sdpa-folded"; else the backend's name
-    layer_compute: str = "eager"  # "inductor": each layer's work outside attention compiled (CompiledLayerPieces)
     num_layers: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
@@ -189,39 +187,12 @@ class ModelRunner:
             self.decode_kernel = PagedDecodeKernel(self.num_heads, self.num_kv_heads, self.spec.head_dim,
                                                    self.dtype, self.device, config.enforce_eager)
             logger.info("decode attention: %s", self.decode_kernel.reason)
-        layer_compute, why = self._compile_layers()
-        self._info = replace(self._info, layer_compute=layer_compute)
-        logger.info("layers outside attention: %s (%s)", layer_compute, why)
         self.kv_cache: KVCache | None = None
         self.backend: AttentionBackend | None = None
         self.block_size: int | None = None
         self._requests: dict[str, _Request] = {}
         self.last_step_id: int | None = None  # the last plan executed since initialize()
         self.last_layout: BatchLayout | None = None  # the last step's layout (debugging, tests)
-
-    def _compile_layers(self) -> tuple[str, str]:
-        """Compile each layer's work outside attention where that is possible and asked for:
-        ("inductor" | "eager", why)."""
-        if self.config.enforce_eager:
-            return "eager", "--enforce-eager"
-        if self.tp.size > 1:
-            return "eager", "tensor parallelism (the all-reduces sit inside the layer pieces)"
-        if self.device.type != "cpu":
-            return "eager", f"compiled layers are built and tested on CPU only so far (device {self.device})"
-        why = compiler_unavailable_reason(self.device)
-        if why is not None:
-            return "eager", why
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
-        # Each model geometry and dtype compiled in one process adds graphs under the same two
-        # functions; a server holds one model, but tests and benchmarks build many.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        t0 = time.perf_counter()
-        try:
-            self.model.compile_layers()
-        except Exception as e:  # a broken toolchain shows up here as any kind of error
-            logger.warning("could not compile the layers (%s: %s); running them eagerly", type(e).__name__, str(e)[:200])
-            return "eager", f"inductor failed: {type(e).__name__}"
-        return "inductor", f"compiled or loaded in {time.perf_counter() - t0:.1f} s"
 
     # ------------------------------------------------------------------------------ public API
 

@@ -205,7 +205,6 @@ def stats_to_proto(engine: Engine) -> gpb.Stats:
         executor_epoch=engine.info.epoch,
         attention_backend=engine.info.attention_backend,
         decode_attention=engine.info.decode_attention,
-        layer_compute=engine.info.layer_compute,
         dtype=engine.info.dtype,
         executor_restarts=engine.executor_restarts,
     )

@@ -79,11 +79,11 @@ def test_handshake_roundtrip_keeps_every_field():
 
     model = ModelInfo(model_path="/models/m", architecture="LlamaForCausalLM", vocab_size=49152, max_model_len=8192,
                       eos_token_ids=(2, 7), dtype="bfloat16", device="cpu", attention_backend="torch",
-                      num_parameters=135_000_000, decode_attention="paged-inductor", layer_compute="inductor")
+                      num_parameters=135_000_000, decode_attention="paged-inductor")
     msg = pb.InitializeResponse(executor_epoch="e1", model=codec.model_info_to_proto(model), block_size=16,
                                 num_kv_blocks=321)
     info = codec.executor_info_from_proto(pb.InitializeResponse.FromString(msg.SerializeToString()))
     assert info == ExecutorInfo(epoch="e1", block_size=16, num_kv_blocks=321, model_path="/models/m",
                                 architecture="LlamaForCausalLM", vocab_size=49152, max_model_len=8192,
                                 eos_token_ids=(2, 7), dtype="bfloat16", device="cpu", attention_backend="torch",
-                                decode_attention="paged-inductor", layer_compute="inductor")
+                                decode_attention="paged-inductor")

@@ -81,17 +81,13 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, spec.hidden_size, spec.o_bias, dtype, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
-        q, k, v = self.qkv(x, cos, sin)
-        out = attend(self.layer_idx, q, k, v)
-        return self.tp.all_reduce(self.o_proj(out.reshape(x.shape[0], self.q_size)))
-
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rotated q [T, H, D], k [T, KVH, D] and v [T, KVH, D] of the normed input x."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        return q, k, v.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        out = attend(self.layer_idx, q, k, v)
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
 
 class MLP(nn.Module):
@@ -119,69 +115,6 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    # The same forward cut at attention, for LayerPieces (single rank only: with tensor
-    # parallelism the two all-reduces sit inside what would be compiled).
-    def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
-
-    def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn.o_proj(attn.reshape(x.shape[0], self.self_attn.q_size))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class CompiledLayerPieces:
-    """DecoderLayer.before_attention / after_attention compiled by inductor.
-
-    The layer is an argument, so its weights are graph inputs: the 30 layers of a model share one
-    compiled graph each, and the token count is marked dynamic, so batch sizes do not recompile
-    (a batch of one token is the compiler's own specialisation: a second graph, built at warm-up).
-    Why: a decode step is ~25 small eager ops per layer (RMSNorm alone is 8), each a full pass
-    over its tensor and a trip through the dispatcher; compiled, the element-wise work around each
-    matmul is one fused loop (measured in bench/RESULTS.md). Matmuls stay oneDNN's (extern calls)."""
-
-    # A typical batch first: its size is the hint inductor plans parallel loops by (see
-    # attention/paged_decode.py), then the one-token specialisation, then a size that must reuse
-    # the first graph.
-    WARM_UP_TOKENS = (64, 1, 5)
-
-    def __init__(self) -> None:
-        # dynamic_threads: keep the loops parallel whatever the first call's size (as in
-        # attention/paged_decode.py).
-        options = {"cpp.dynamic_threads": True}
-        self.before_attention = torch.compile(DecoderLayer.before_attention, dynamic=False, fullgraph=True,
-                                              options=options)
-        self.after_attention = torch.compile(DecoderLayer.after_attention, dynamic=False, fullgraph=True,
-                                             options=options)
-
-    def warm_up(self, model: LlamaForCausalLM) -> None:
-        """Compile (or load from inductor's cache) every graph a step can need, calling them the
-        way the model does (weights made outside inference mode, activations inside it, since
-        both are in the guards), and check each against the eager layer; raises if one differs."""
-        layer = model.layers[0]
-        g = torch.Generator(device="cpu").manual_seed(0)
-        tol = 1e-4 if model.dtype == torch.float32 else 5e-2
-        with torch.inference_mode():
-            for t in self.WARM_UP_TOKENS:
-                x = torch.randn(t, model.spec.hidden_size, generator=g).to(layer.input_layernorm.weight)
-                positions = torch.arange(t, device=x.device)
-                cos, sin = model.rotary.cos_sin(positions, x.dtype)
-                self.mark_dynamic(cos, sin)
-                got = self.before_attention(layer, self.mark_dynamic(x), cos, sin)
-                want = layer.before_attention(x, cos, sin)
-                attn = self.mark_dynamic(want[0].clone())
-                got_out, want_out = self.after_attention(layer, x, attn), layer.after_attention(x, attn)
-                for a, b in zip((*got, got_out), (*want, want_out)):
-                    if not torch.allclose(a.float(), b.float(), atol=tol, rtol=tol):
-                        raise RuntimeError(f"the compiled layer disagrees with the eager one on a {t}-token batch")
-
-    @staticmethod
-    def mark_dynamic(*tensors: torch.Tensor) -> torch.Tensor:
-        """Mark dim 0 (tokens) of each tensor dynamic; returns the first. Needed on every new
-        tensor that goes in (a compiled graph's outputs carry no mark)."""
-        for t in tensors:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        return tensors[0]
-
 
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 decoder; which biases exist is decided by the spec."""
@@ -201,36 +134,14 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens.weight if spec.tie_word_embeddings
             else _param((spec.vocab_size, spec.hidden_size), dtype, device)
         )
-        # Set by compile_layers(): the layers' work outside attention, compiled.
-        self.compiled_pieces: CompiledLayerPieces | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for flat token ids / positions [T]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # shared by every layer
-        pieces = self.compiled_pieces
-        if pieces is None:
-            for layer in self.layers:
-                x = layer(x, cos, sin, attend)
-        else:
-            pieces.mark_dynamic(cos, sin)
-            for layer in self.layers:
-                q, k, v = pieces.before_attention(layer, pieces.mark_dynamic(x), cos, sin)
-                attn = pieces.mark_dynamic(attend(layer.self_attn.layer_idx, q, k, v))
-                x = pieces.after_attention(layer, x, attn)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attend)
         return self.norm(x)
-
-    def compile_layers(self) -> CompiledLayerPieces:
-        """Run every layer's work outside attention (norms, projections, RoPE, SiLU, residuals)
-        through inductor from now on: one compiled graph before attention and one after, shared
-        by all layers and all batch sizes, built and checked here. Single rank only (see
-        DecoderLayer.before_attention). Raises (and changes nothing) if they cannot be built."""
-        if self.tp.size > 1:
-            raise ValueError("compiled layers need a single rank: tensor parallelism runs eagerly")
-        pieces = CompiledLayerPieces()
-        pieces.warm_up(self)
-        self.compiled_pieces = pieces
-        return pieces
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the N rows given (only the rows that sample)."""
