@@ -180,6 +180,11 @@ class ModelRunner:
             num_kv_heads=self.spec.num_kv_heads,
             head_dim=self.spec.head_dim,
         )
+        # After num_parameters() above: packing frees the plain weights it counts.
+        if self.device.type == "cpu":
+            packed = self.model.pack_linear_weights()
+            logger.info("linear layers: %s", "oneDNN with prepacked weights" if packed
+                        else "F.linear (oneDNN packing unavailable or refused by its self-check)")
         # Built (compiled or loaded from inductor's on-disk cache) and checked here, before the
         # server reports ready, so that no request ever waits for a compile.
         self.decode_kernel: PagedDecodeKernel | None = None

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel import SINGLE, TPGroup
+from . import packed_linear
 from .rope import RotaryEmbedding, apply_rotary
 from .spec import ModelSpec
 
@@ -42,8 +43,21 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param((out_features, in_features), dtype, device)
         self.bias = _param((out_features,), dtype, device) if bias else None
+        self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout, once pack() ran
+
+    def pack(self) -> bool:
+        """Move the weight into oneDNN's prepacked layout (packed_linear.py) and free the plain
+        copy; False (nothing changed) where that is not possible."""
+        packed = packed_linear.pack(self.weight, self.bias)
+        if packed is None:
+            return False
+        self.packed = packed
+        self.weight.data = self.weight.data.new_empty(0)  # only the packed copy is read from now on
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -134,6 +148,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens.weight if spec.tie_word_embeddings
             else _param((spec.vocab_size, spec.hidden_size), dtype, device)
         )
+        self.lm_head_packed: torch.Tensor | None = None  # set by pack_linear_weights()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for flat token ids / positions [T]."""
@@ -145,7 +160,23 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the N rows given (only the rows that sample)."""
+        if self.lm_head_packed is not None:
+            return packed_linear.linear(hidden, self.lm_head_packed, None).to(torch.float32)
         return F.linear(hidden, self.lm_head_weight).to(torch.float32)
+
+    def pack_linear_weights(self) -> bool:
+        """Every linear layer and lm_head through oneDNN with prepacked weights (CPU; see
+        packed_linear.py). Call after loading; num_parameters() counts the plain weights, so ask
+        it first. True if all were packed (then no plain linear weight is kept, except lm_head's
+        when it is the embedding matrix)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if not all(m.pack() for m in linears[:1]):  # one refusal says the rest would be refused too
+            return False
+        ok = all([m.pack() for m in linears[1:]])
+        self.lm_head_packed = packed_linear.pack(self.lm_head_weight)
+        if self.lm_head_packed is not None and not self.spec.tie_word_embeddings:
+            self.lm_head_weight.data = self.lm_head_weight.data.new_empty(0)
+        return ok and self.lm_head_packed is not None
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # parameters() de-duplicates tied weights

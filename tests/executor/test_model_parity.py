@@ -7,6 +7,8 @@ import torch
 
 from chunkwise.plan import GREEDY, NewRequestData, ScheduledChunk, StepPlan
 from executor_svc.loader import load_model, read_spec
+from executor_svc.models import packed_linear
+from executor_svc.models.llama import Linear
 from executor_svc.models import UnsupportedModelError
 from model_fixtures import load_reference
 
@@ -30,8 +32,13 @@ VARIANTS = {
 }
 
 
-def full_prompt_logits(path, tokens):
+def full_prompt_logits(path, tokens, packed=True):
     runner = make_runner(path, block_size=16, num_kv_blocks=16)
+    # On CPU every linear layer and lm_head run through oneDNN with prepacked weights (see
+    # packed_linear.py), unless packing was refused: the parity below is then F.linear's.
+    layers = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert all((m.packed is not None) == packed for m in layers)
+    assert (runner.model.lm_head_packed is not None) == packed
     blocks = list(reversed(range(16)))[: -(-len(tokens) // 16)]  # non-contiguous, descending
     plan = StepPlan(1, new_requests=[NewRequestData("r", tokens, blocks, GREEDY)],
                     chunks=[ScheduledChunk("r", 0, len(tokens), 0, True)])
@@ -49,6 +56,34 @@ def test_full_prompt_logits_match_transformers(tiny_checkpoint, variant):
     assert ours.shape == ref.shape
     torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
     assert ours_result.sampled[0].token_id == int(ref[-1].argmax())
+
+
+@pytest.mark.parametrize("variant", ["llama-mqa-bias", "qwen2-untied"])
+def test_full_prompt_logits_match_transformers_without_packed_weights(tiny_checkpoint, variant, monkeypatch):
+    # The plain F.linear path (CUDA, or a CPU where oneDNN's packing is unavailable or fails its
+    # self-check) stays exact too.
+    monkeypatch.setattr(packed_linear, "available", lambda device: False)
+    arch, overrides = VARIANTS[variant]
+    path = tiny_checkpoint(arch, **overrides)
+    tokens = random_tokens(150, seed=7)
+    _, ours = full_prompt_logits(path, tokens, packed=False)
+    torch.testing.assert_close(ours, hf_logits(load_reference(path), tokens), atol=ATOL, rtol=0)
+
+
+def test_a_packed_weight_that_does_not_reproduce_f_linear_is_refused(monkeypatch):
+    w, b = torch.randn(24, 16), torch.randn(24)
+    packed = packed_linear.pack(w, b)
+    assert packed is not None
+    x = torch.randn(5, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed_linear.linear(x, packed, b), torch.nn.functional.linear(x, w, b))
+    real = packed_linear.linear
+    monkeypatch.setattr(packed_linear, "linear", lambda x, p, bias: real(x, p, bias) + 1e-2)
+    assert packed_linear.pack(w, b) is None
+    layer = Linear(16, 24, bias=True, dtype=torch.float32, device=torch.device("cpu"))
+    layer.weight.data.copy_(w)
+    layer.bias.data.copy_(b)
+    assert not layer.pack() and layer.packed is None and layer.weight.shape == (24, 16)  # untouched
 
 
 def test_rope_scaling_changes_logits(tiny_checkpoint):

@@ -1,0 +1,195 @@
+"""Where the executor's time goes on the seed-shaped workload, in-process (no gRPC, no scheduler
+service): the pure Scheduler plans every step, the real ModelRunner executes it.
+
+    .venv/bin/python bench/step_profile.py --json bench/results/step_profile.json
+    .venv/bin/python bench/step_profile.py --dtype float32 --profile
+
+Workload: bench/seed_table.py's (32 requests of 637 tokens, 8 groups sharing 180, 64 output
+tokens, EOS ignored, all arriving at once; budget 1024, block 16, CP+PC), on the embedded
+SmolLM2-135M. Reports the wall time of the whole run and of each kind of step (decode-only,
+mixed, prefill-only), the executor's CPU share (process CPU time / wall x threads: below 100%
+means a core idled in a serial region), and with --profile a torch.profiler breakdown by
+operator family (matmul, attention, elementwise, ...) over the whole run. --compare-packing
+runs two runners in interleaved rounds, one with its linear layers on oneDNN's prepacked weights
+(the default on CPU) and one on F.linear, and reports the paired ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from benchutil import write_json
+
+from chunkwise.model_source import resolve_model
+from chunkwise.plan import SamplingParams
+from chunkwise_tools.loadtest.datasets import random_dataset
+from executor_svc.config import ExecutorConfig
+from executor_svc.engine import ModelRunner
+from executor_svc.models import packed_linear
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.scheduler import Scheduler
+
+# Operator families of the profile, matched on the op name (first match wins).
+FAMILIES = (
+    # The one compiled graph of a step is the paged decode kernel ("Call CompiledFxGraph").
+    ("attention: paged decode kernel", ("CompiledFxGraph", "Torch-Compiled")),
+    ("attention: sdpa", ("scaled_dot_product", "_flash_attention")),
+    ("matmul", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm")),
+    ("kv write / gather", ("index_copy", "index_select", "aten::index")),
+    ("norm / rope / silu / elementwise", ("aten::mul", "aten::add", "aten::rsqrt", "aten::pow", "aten::mean",
+                                          "aten::silu", "aten::neg", "aten::cat", "aten::to", "aten::copy_",
+                                          "aten::_to_copy", "aten::sub", "aten::div")),
+    ("sampling", ("argmax", "softmax", "log_softmax", "topk", "sort", "multinomial", "gather")),
+)
+
+
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def run(runner: ModelRunner, requests, budget: int, salt: str, profile: bool) -> dict:
+    sched_cfg = SchedulerConfig(max_model_len=runner.max_model_len, block_size=16, max_num_batched_tokens=budget,
+                                enable_prefix_caching=True, enable_chunked_prefill=True)
+    sched = Scheduler(sched_cfg, runner.num_kv_blocks)
+    for i, r in enumerate(requests):
+        sched.add_request(Request(f"{salt}-r{i}", list(r.prompt_token_ids), SamplingParams(temperature=0.0),
+                                  max_tokens=r.max_tokens, ignore_eos=True, cache_salt=salt))
+    steps: list[dict] = []
+    prof = None
+    if profile:
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        prof.__enter__()
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    tokens = 0
+    while sched.has_work():
+        plan = sched.schedule()
+        s0 = time.perf_counter()
+        result = runner.execute(plan)
+        dt = time.perf_counter() - s0
+        sched.update(plan, result)
+        decodes = sum(1 for c in plan.chunks if c.num_tokens == 1)
+        prefill = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
+        tokens += sum(c.num_tokens for c in plan.chunks)
+        kind = "decode-only" if prefill == 0 else ("prefill-only" if decodes == 0 else "mixed")
+        steps.append({"kind": kind, "decodes": decodes, "prefill_tokens": prefill, "ms": 1000 * dt})
+    wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    out: dict = {"wall_s": wall, "cpu_share": cpu / (wall * torch.get_num_threads()), "steps": len(steps),
+                 "tokens": tokens, "tok_per_s": tokens / wall, "hit_rate": sched.stats().prefix_cache_hit_rate}
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    for s in steps:
+        by_kind[s["kind"]].append(s["ms"])
+    out["by_kind"] = {k: {"n": len(v), "total_s": sum(v) / 1000, "median_ms": statistics.median(v)}
+                      for k, v in by_kind.items()}
+    out["step_list"] = steps
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        fam: dict[str, float] = defaultdict(float)
+        top = []
+        for e in prof.key_averages():
+            if e.key.startswith("ProfilerStep"):
+                continue
+            self_ms = e.self_cpu_time_total / 1000
+            top.append((self_ms, e.key, e.count))
+            for name, keys in FAMILIES:
+                if any(k in e.key for k in keys):
+                    fam[name] += self_ms
+                    break
+            else:
+                fam["other"] += self_ms
+        total = sum(fam.values())
+        out["profile_self_ms"] = {k: round(v, 1) for k, v in sorted(fam.items(), key=lambda kv: -kv[1])}
+        out["profile_share"] = {k: round(v / total, 3) for k, v in out["profile_self_ms"].items()}
+        out["profile_top"] = [{"op": k, "self_ms": round(ms, 1), "count": n}
+                              for ms, k, n in sorted(top, reverse=True)[:25]]
+    return out
+
+
+def _wall(runs: list[dict], rnd: int, name: str) -> float:
+    return next(r["wall_s"] for r in runs if r["round"] == rnd and r["runner"] == name)
+
+
+def _kind_s(runs: list[dict], rnd: int, name: str, kind: str) -> float:
+    return next(r["by_kind"][kind]["total_s"] for r in runs if r["round"] == rnd and r["runner"] == name)
+
+
+def report(label: str, r: dict) -> None:
+    print(f"{label}: {r['wall_s']:.2f} s, {r['tok_per_s']:.0f} tok/s (prompt+output computed), "
+          f"{r['steps']} steps, cpu share {r['cpu_share']:.0%}, hit rate {r['hit_rate']:.1%}", flush=True)
+    for k, v in r["by_kind"].items():
+        print(f"    {k:13s} {v['n']:3d} steps  {v['total_s']:6.2f} s  median {v['median_ms']:.0f} ms")
+    if "profile_share" in r:
+        for k, v in r["profile_self_ms"].items():
+            print(f"    {k:40s} {v / 1000:7.2f} s  {r['profile_share'][k]:.1%}")
+        for t in r["profile_top"][:12]:
+            print(f"        {t['self_ms']:9.1f} ms  x{t['count']:<6d} {t['op']}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--budget", type=int, default=1024)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2, help="rounds")
+    p.add_argument("--profile", action="store_true", help="also a torch.profiler breakdown (of the last round)")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--compare-packing", action="store_true",
+                   help="two runners, linear layers through oneDNN's prepacked weights and through F.linear, "
+                        "in interleaved rounds, with the paired ratio")
+    p.add_argument("--json")
+    ns = p.parse_args(argv)
+
+    model_dir = str(resolve_model(ns.model))
+    config = ExecutorConfig(model=model_dir, dtype=ns.dtype, max_model_len=1024, kv_cache_space=1.0,
+                            enforce_eager=ns.enforce_eager)
+    runners = {"default": ModelRunner(config)}
+    if ns.compare_packing:  # a second runner whose linear layers stay on F.linear
+        runners = {"packed": runners["default"]}
+        available, packed_linear.available = packed_linear.available, lambda device: False
+        runners["F.linear"] = ModelRunner(config)
+        packed_linear.available = available
+    for r in runners.values():
+        r.initialize(16)
+    first = next(iter(runners.values()))
+    requests = random_dataset(ns.num_prompts, input_len=637, output_len=ns.output_len, prefix_len=180,
+                              num_prefix_groups=8, vocab_size=first.spec.vocab_size, seed=0)
+    names = list(runners)
+    runs: list[dict] = []
+    for i in range(ns.repeats):
+        for name in (names if i % 2 == 0 else names[::-1]):  # alternate which goes first
+            runner = runners[name]
+            runner.reset()  # the previous run's last finished requests (their drop rides on a next plan)
+            r = run(runner, requests, ns.budget, salt=f"r{i}-{name}", profile=ns.profile and i == ns.repeats - 1)
+            r.update(round=i, runner=name)
+            report(f"round {i} {name}", r)
+            runs.append(r)
+    result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "dtype": str(first.dtype),
+              "threads": torch.get_num_threads(), "decode_attention": first.info.decode_attention, "runs": runs}
+    if ns.compare_packing:
+        ratios = [_wall(runs, i, "F.linear") / _wall(runs, i, "packed") for i in range(ns.repeats)]
+        result["plain_over_packed_wall"] = {"median": statistics.median(ratios), "min": min(ratios),
+                                            "max": max(ratios), "n": len(ratios)}
+        by_kind = {}
+        for kind in ("mixed", "decode-only"):
+            k = [_kind_s(runs, i, "F.linear", kind) / _kind_s(runs, i, "packed", kind) for i in range(ns.repeats)]
+            by_kind[kind] = {"median": statistics.median(k), "min": min(k), "max": max(k)}
+        result["plain_over_packed_by_kind"] = by_kind
+        print(f"F.linear / packed wall time, paired: median {statistics.median(ratios):.3f} "
+              f"({min(ratios):.3f}-{max(ratios):.3f}, n={len(ratios)}); by step kind: "
+              + ", ".join(f"{k} {v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f})" for k, v in by_kind.items()))
+    write_json(ns.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
