@@ -28,7 +28,7 @@ import torch
 from benchutil import write_json
 
 from chunkwise.model_source import resolve_model
-from chunkwise.plan import SamplingParams
+from chunkwise.plan import NewRequestData, RunningRequestDelta, SamplingParams, ScheduledChunk, StepPlan
 from chunkwise_tools.loadtest.datasets import random_dataset
 from executor_svc.config import ExecutorConfig
 from executor_svc.engine import ModelRunner
@@ -113,6 +113,33 @@ def run(runner: ModelRunner, requests, budget: int, salt: str, profile: bool) ->
     return out
 
 
+def decode_steps(runner: ModelRunner, batch: int, ctx: int, steps: int, tag: str) -> dict:
+    """`batch` requests prefilled to `ctx` tokens, then `steps` decode steps of all of them
+    (each request's blocks contiguous; the time is the decode steps' median)."""
+    per = -(-(ctx + steps + 1) // 16)
+    g = torch.Generator().manual_seed(0)
+    state: dict[str, list[int]] = {}
+    step = 0
+    for i in range(batch):
+        rid = f"{tag}-{i}"
+        ids = torch.randint(10, runner.spec.vocab_size - 1, (ctx,), generator=g).tolist()
+        plan = StepPlan(step_id=step, new_requests=[NewRequestData(rid, ids, list(range(i * per, (i + 1) * per)),
+                                                                   SamplingParams(temperature=0.0))],
+                        chunks=[ScheduledChunk(rid, 0, ctx, 0, True)])
+        step += 1
+        state[rid] = [ctx, runner.execute(plan).sampled[0].token_id]
+    times = []
+    for _ in range(steps):
+        plan = StepPlan(step_id=step, running=[RunningRequestDelta(r, [t], []) for r, (n, t) in state.items()],
+                        chunks=[ScheduledChunk(r, n, 1, n, True) for r, (n, t) in state.items()])
+        step += 1
+        t0 = time.perf_counter()
+        for s in runner.execute(plan).sampled:
+            state[s.req_id] = [state[s.req_id][0] + 1, s.token_id]
+        times.append(time.perf_counter() - t0)
+    return {"wall_s": statistics.median(times), "step_ms": 1000 * statistics.median(times), "batch": batch, "ctx": ctx}
+
+
 def _wall(runs: list[dict], rnd: int, name: str) -> float:
     return next(r["wall_s"] for r in runs if r["round"] == rnd and r["runner"] == name)
 
@@ -146,6 +173,8 @@ def main(argv=None) -> int:
     p.add_argument("--compare-packing", action="store_true",
                    help="two runners, linear layers through oneDNN's prepacked weights and through F.linear, "
                         "in interleaved rounds, with the paired ratio")
+    p.add_argument("--decode", nargs=2, type=int, metavar=("BATCH", "CTX"),
+                   help="instead of the workload: decode steps of BATCH requests at context CTX (median of 5 a round)")
     p.add_argument("--json")
     ns = p.parse_args(argv)
 
@@ -169,9 +198,13 @@ def main(argv=None) -> int:
         for name in (names if i % 2 == 0 else names[::-1]):  # alternate which goes first
             runner = runners[name]
             runner.reset()  # the previous run's last finished requests (their drop rides on a next plan)
-            r = run(runner, requests, ns.budget, salt=f"r{i}-{name}", profile=ns.profile and i == ns.repeats - 1)
+            if ns.decode:
+                r = decode_steps(runner, *ns.decode, steps=5, tag=f"r{i}-{name}")
+                print(f"round {i} {name}: decode step {ns.decode[0]} x {ns.decode[1]}: {r['step_ms']:.1f} ms", flush=True)
+            else:
+                r = run(runner, requests, ns.budget, salt=f"r{i}-{name}", profile=ns.profile and i == ns.repeats - 1)
+                report(f"round {i} {name}", r)
             r.update(round=i, runner=name)
-            report(f"round {i} {name}", r)
             runs.append(r)
     result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "dtype": str(first.dtype),
               "threads": torch.get_num_threads(), "decode_attention": first.info.decode_attention, "runs": runs}
@@ -180,13 +213,13 @@ def main(argv=None) -> int:
         result["plain_over_packed_wall"] = {"median": statistics.median(ratios), "min": min(ratios),
                                             "max": max(ratios), "n": len(ratios)}
         by_kind = {}
-        for kind in ("mixed", "decode-only"):
+        for kind in (() if ns.decode else ("mixed", "decode-only")):
             k = [_kind_s(runs, i, "F.linear", kind) / _kind_s(runs, i, "packed", kind) for i in range(ns.repeats)]
             by_kind[kind] = {"median": statistics.median(k), "min": min(k), "max": max(k)}
         result["plain_over_packed_by_kind"] = by_kind
         print(f"F.linear / packed wall time, paired: median {statistics.median(ratios):.3f} "
-              f"({min(ratios):.3f}-{max(ratios):.3f}, n={len(ratios)}); by step kind: "
-              + ", ".join(f"{k} {v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f})" for k, v in by_kind.items()))
+              f"({min(ratios):.3f}-{max(ratios):.3f}, n={len(ratios)})"
+              + "".join(f"; {k} {v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f})" for k, v in by_kind.items()))
     write_json(ns.json, result)
     return 0
 
