@@ -4,13 +4,32 @@ on sys.path)."""
 from __future__ import annotations
 
 import json
+import os
+import platform
 from pathlib import Path
 
 
+def machine() -> dict:
+    """What ran it: CPU model and family (this workplace's machines change between sessions: a
+    Zen 4 has half a Zen 5's bf16 matmul rate), the flags that pick kernels, cores, load."""
+    info: dict = {"machine": platform.machine(), "cores": os.cpu_count(), "loadavg": os.getloadavg()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    fields = dict(line.split(":", 1) for line in text.split("\n\n")[0].splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    info.update(model_name=fields.get("model name"), cpu_family=fields.get("cpu family"), model=fields.get("model"),
+                flags=sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"}))
+    return info
+
+
 def write_json(path: str | None, result: dict) -> None:
-    """Write a benchmark's result file (if a path was given) and say where."""
+    """Write a benchmark's result file (if a path was given, with `machine()` added) and say where."""
     if not path:
         return
+    result.setdefault("machine", machine())
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")

@@ -6,8 +6,9 @@ delegated to an `attend(layer_idx, q, k, v)` callable supplied per step by the e
 the paged KV cache and the attention backend), so this module knows nothing about blocks.
 
 q/k/v and gate/up projections are fused into single matmuls; the loader slices the checkpoint's
-separate tensors into them. Numerics follow the HF reference: RMSNorm in float32 then cast back,
-RoPE angles in float32, logits returned as float32.
+separate tensors into them. On CPU, once loaded, every linear weight (and lm_head) is repacked
+for oneDNN (`pack_linear_weights`, packed_linear.py). Numerics follow the HF reference: RMSNorm in
+float32 then cast back, RoPE angles in float32, logits returned as float32.
 
 With tensor parallelism (`tp`, see executor_svc/parallel.py) each rank holds num_heads / N query
 heads, num_kv_heads / N KV heads and intermediate_size / N of the MLP: q/k/v and gate/up are
@@ -170,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
         it first. True if all were packed (then no plain linear weight is kept, except lm_head's
         when it is the embedding matrix)."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
-        if not all(m.pack() for m in linears[:1]):  # one refusal says the rest would be refused too
+        if not linears or not linears[0].pack():  # one refusal says the rest would be refused too
             return False
         ok = all([m.pack() for m in linears[1:]])
         self.lm_head_packed = packed_linear.pack(self.lm_head_weight)
