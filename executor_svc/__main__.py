@@ -13,6 +13,7 @@ from chunkwise.cliutil import is_loopback
 from chunkwise.limits import READY_EXECUTOR
 from chunkwise.logging_setup import setup_logging
 from chunkwise.model_source import resolve_model
+from executor_svc.compute_loop import ComputeLoop
 from executor_svc.config import ExecutorConfig
 from executor_svc.engine import ModelRunner
 from executor_svc.server import build_server
@@ -58,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         # a crash: one line and the flag-error exit code, like the checks above.
         print(f"executor_svc: error: {e}", file=sys.stderr)
         return 2
+    compute = ComputeLoop()  # served by this (the main) thread below: it loaded the model
     server, port = build_server(runner, config.host, config.port, token, config.tls_cert_file,
-                                config.tls_key_file)
+                                config.tls_key_file, compute)
     server.start()
     info = runner.info
     log.info(
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    compute.serve(stop)  # every handshake and step runs here until a signal sets `stop`
     log.info("shutting down")
     server.stop(grace=5).wait()
     runner.close()  # the other tensor-parallel ranks, if any

@@ -24,6 +24,7 @@ from chunkwise.auth import TokenAuthInterceptor, server_credentials
 from chunkwise.limits import EXECUTOR_MAX_MESSAGE_BYTES
 from chunkwise.v1 import executor_pb2 as pb
 from chunkwise.v1 import executor_pb2_grpc as pb_grpc
+from executor_svc.compute_loop import ComputeLoop
 from executor_svc.engine import ModelRunner, PlanError
 
 log = logging.getLogger("chunkwise.executor")
@@ -34,8 +35,10 @@ FOLLOW_WAIT_SECONDS = 60.0
 
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, compute: ComputeLoop | None = None):
         self._runner = runner
+        # Where the torch work runs (compute_loop.py says why on one thread); inline without one.
+        self._compute = compute
         self._lock = threading.Condition()  # notified whenever a step was handled or the epoch changed
         self._epoch = ""  # empty until the first Initialize
         # The last step of this epoch that was handled (run or refused), and whether it ran.
@@ -57,7 +60,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 # starting an epoch nobody will use would only invalidate the one it adopts.
                 context.abort(grpc.StatusCode.CANCELLED, "the caller went away before the handshake ran")
             try:
-                num_blocks = self._runner.initialize(bs)
+                num_blocks = self._on_compute_thread(self._runner.initialize, bs)
             except ValueError as e:  # e.g. a block size the attention backend cannot page with
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             # Every handshake starts a new epoch: the runner dropped all request state, so plans
@@ -89,7 +92,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                     context.abort(grpc.StatusCode.CANCELLED, "the caller went away before the step ran")
                 plan = codec.plan_from_proto(request)
                 try:
-                    result = self._runner.execute(plan)  # times itself: StepResult.execute_seconds
+                    result = self._on_compute_thread(self._runner.execute, plan)  # times itself
                 except PlanError as e:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
                 except Exception as e:
@@ -106,6 +109,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 if request.executor_epoch == self._epoch:  # not when a handshake came meanwhile
                     self._last_step, self._last_step_ran = request.step_id, ran
                 self._lock.notify_all()
+
+    def _on_compute_thread(self, fn, *args):
+        return fn(*args) if self._compute is None else self._compute.call(fn, *args)
 
     def _check_epoch(self, request: pb.StepPlan, context) -> None:
         if not self._epoch:
@@ -134,11 +140,12 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
 def build_server(
     runner: ModelRunner, host: str, port: int, token: str, tls_cert_file: str | None = None,
-    tls_key_file: str | None = None,
+    tls_key_file: str | None = None, compute: ComputeLoop | None = None,
 ) -> tuple[grpc.Server, int]:
     """Create (not start) the server; returns it with the bound port (useful with port 0).
 
-    Every call but health checks must carry `token`; TLS when both PEM files are given.
+    Every call but health checks must carry `token`; TLS when both PEM files are given. With
+    `compute`, the runner's work runs on the thread serving that loop (else on gRPC's threads).
     """
     if not token:
         raise ValueError("the executor needs a shared token: it refuses every call without one")
@@ -150,7 +157,7 @@ def build_server(
             ("grpc.max_send_message_length", EXECUTOR_MAX_MESSAGE_BYTES),
         ],
     )
-    pb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(runner), server)
+    pb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(runner, compute), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", "chunkwise.v1.Executor"):

@@ -1,0 +1,153 @@
+"""The executor runs its torch work on one thread (executor_svc/compute_loop.py says why): the loop
+itself, and the gRPC server handing every handshake and step to it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from chunkwise import codec
+from chunkwise.auth import bearer_metadata
+from chunkwise.plan import GREEDY, NewRequestData, RunningRequestDelta, ScheduledChunk, StepPlan
+from chunkwise.v1 import executor_pb2 as pb
+from chunkwise.v1 import executor_pb2_grpc as pb_grpc
+from executor_svc.compute_loop import ComputeLoop, ComputeLoopClosed
+from executor_svc.server import build_server
+
+from .helpers import make_runner
+
+TOKEN = "compute-loop-test-token"
+
+
+class Served:
+    """A ComputeLoop served by a thread of its own (the executor serves it on its main thread)."""
+
+    def __init__(self):
+        self.loop = ComputeLoop()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.loop.serve, args=(self.stop,), daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(5)
+        assert not self.thread.is_alive()
+
+
+def test_calls_from_many_threads_run_on_the_serving_thread_one_at_a_time():
+    ran_on, running, overlaps = [], [0], []
+
+    def work(i):
+        running[0] += 1
+        overlaps.append(running[0])
+        time.sleep(0.002)
+        running[0] -= 1
+        ran_on.append(threading.get_ident())
+        return i * i
+
+    with Served() as served:
+        results = {}
+        callers = [threading.Thread(target=lambda i=i: results.setdefault(i, served.loop.call(work, i))) for i in range(8)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(10)
+        assert results == {i: i * i for i in range(8)}
+        assert set(ran_on) == {served.thread.ident}
+        assert max(overlaps) == 1
+
+
+def test_an_exception_reaches_the_caller_and_the_loop_goes_on():
+    def boom():
+        raise ValueError("bad plan")
+
+    with Served() as served:
+        with pytest.raises(ValueError, match="bad plan"):
+            served.loop.call(boom)
+        assert served.loop.call(lambda: threading.get_ident()) == served.thread.ident
+
+
+def test_work_queued_before_the_loop_serves_waits_for_it():
+    served = Served()
+    got = []
+    caller = threading.Thread(target=lambda: got.append(served.loop.call(threading.get_ident)))
+    caller.start()
+    time.sleep(0.3)
+    assert not got, "the work ran before the loop served it (on the caller's thread)"
+    with served:
+        caller.join(10)
+    assert got == [served.thread.ident]
+
+
+def test_a_stopped_loop_refuses_work_and_fails_what_was_queued():
+    loop = ComputeLoop()
+    stop = threading.Event()
+    errors = []
+
+    def blocked_caller():
+        try:
+            loop.call(lambda: None)
+        except ComputeLoopClosed as e:
+            errors.append(e)
+
+    caller = threading.Thread(target=blocked_caller)
+    caller.start()
+    time.sleep(0.2)
+    stop.set()
+    loop.serve(stop)  # stops at once: what was queued fails, rather than leaving its caller waiting
+    caller.join(5)
+    assert not caller.is_alive() and len(errors) == 1
+    with pytest.raises(ComputeLoopClosed):
+        loop.call(lambda: None)
+
+
+def test_the_server_runs_the_handshake_and_every_step_on_the_loop_thread(tiny_llama_path):
+    runner = make_runner(tiny_llama_path, block_size=8, num_kv_blocks=16)
+    threads: dict[str, set[int]] = {"initialize": set(), "execute": set()}
+    for name in threads:
+        method = getattr(runner, name)
+
+        def recorded(*args, _method=method, _name=name):
+            threads[_name].add(threading.get_ident())
+            return _method(*args)
+
+        setattr(runner, name, recorded)
+    with Served() as served:
+        server, port = build_server(runner, "127.0.0.1", 0, TOKEN, compute=served.loop)
+        server.start()
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        stub = pb_grpc.ExecutorStub(channel)
+        md = bearer_metadata(TOKEN)
+        try:
+            epoch = stub.Initialize(pb.InitializeRequest(block_size=8), metadata=md, timeout=30).executor_epoch
+
+            def step(plan):
+                return codec.result_from_proto(stub.ExecuteStep(codec.plan_to_proto(plan, epoch), metadata=md, timeout=30))
+
+            step(StepPlan(1, new_requests=[NewRequestData("a", list(range(10, 20)), [3, 4], GREEDY)],
+                          chunks=[ScheduledChunk("a", 0, 10, 0, True)]))
+            # Two plans in flight at once (async scheduling), the later one sent first.
+            later = {}
+            sender = threading.Thread(target=lambda: later.setdefault("r", step(StepPlan(
+                3, follows_step_id=2, running=[RunningRequestDelta("a", [], [], append_sampled=True)],
+                chunks=[ScheduledChunk("a", 11, 1, 11, True)]))))
+            sender.start()
+            step(StepPlan(2, follows_step_id=1, running=[RunningRequestDelta("a", [], [], append_sampled=True)],
+                          chunks=[ScheduledChunk("a", 10, 1, 10, True)]))
+            sender.join(30)
+            assert len(later["r"].sampled) == 1
+            # A plan the runner refuses is still an INVALID_ARGUMENT, raised on the loop's thread.
+            with pytest.raises(grpc.RpcError) as e:
+                step(StepPlan(4, chunks=[ScheduledChunk("zz", 0, 1, 0, True)]))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        finally:
+            channel.close()
+            server.stop(None)
+    assert threads["initialize"] == {served.thread.ident}
+    assert threads["execute"] == {served.thread.ident}
