@@ -38,22 +38,25 @@ class ComputeLoop:
 
     def __init__(self) -> None:
         self._work: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple]] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # orders `call`'s put against `serve`'s final drain
+        self._lock = threading.Lock()  # orders `submit`'s put against `serve`'s final drain
         self._thread_id: int | None = None  # the serving thread, while it serves
         self._closed = False
 
-    def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the loop's thread; its result or its exception, here."""
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future:
+        """Queue `fn(*args)` for the loop's thread; the Future has its result or its exception."""
+        fut: Future = Future()
         with self._lock:
             if self._closed:
-                raise ComputeLoopClosed("the executor is shutting down")
-            inline = self._thread_id == threading.get_ident()
-            if not inline:  # queued until `serve` runs, if it has not started yet
-                fut: Future = Future()
+                fut.set_exception(ComputeLoopClosed("the executor is shutting down"))
+            else:  # queued until `serve` runs, if it has not started yet
                 self._work.put((fut, fn, args))
-        if inline:
+        return fut
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the loop's thread (inline when already there); its result, or it raises."""
+        if self._thread_id == threading.get_ident():
             return fn(*args)
-        return fut.result()
+        return self.submit(fn, *args).result()
 
     def serve(self, stop: threading.Event) -> None:
         """Run queued work on this thread until `stop` is set; then fail what is still queued."""

@@ -1,10 +1,11 @@
 """The executor's gRPC shell: a thin layer that decodes plans and hands them to the ModelRunner.
 
-Steps run one at a time (the runner owns the KV cache and per-request state), under one lock.
-With async scheduling the scheduler sends step n+1 while n runs, so two ExecuteStep calls can be
-here at once and the thread pool may pick them up in either order: a plan that says it follows
-step n waits (on the lock's condition) until n has run, and is refused with FAILED_PRECONDITION if
-n failed, so that it never runs on top of state n did not leave.
+Steps run one at a time (the runner owns the KV cache and per-request state), in order, on the
+compute loop's thread (compute_loop.py). With async scheduling the scheduler sends step n+1 while
+n runs, so two ExecuteStep calls can be here at once and the thread pool may pick them up in
+either order: a plan that says it follows step n is submitted only after n was, and is refused
+with FAILED_PRECONDITION, just before it would run, if n did not run, so that it never runs on
+top of state n did not leave.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import threading
 import time
 import uuid
 from concurrent import futures
+from concurrent.futures import Future
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from chunkwise import codec
 from chunkwise.auth import TokenAuthInterceptor, server_credentials
 from chunkwise.limits import EXECUTOR_MAX_MESSAGE_BYTES
+from chunkwise.plan import StepPlan, StepResult
 from chunkwise.v1 import executor_pb2 as pb
 from chunkwise.v1 import executor_pb2_grpc as pb_grpc
 from executor_svc.compute_loop import ComputeLoop
@@ -34,18 +38,32 @@ MAX_BLOCK_SIZE = 1024
 FOLLOW_WAIT_SECONDS = 60.0
 
 
+class StepRefused(Exception):
+    """A plan refused where it was about to run (on the compute thread): the status to answer."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
 class ExecutorServicer(pb_grpc.ExecutorServicer):
+    """Handlers check a call, then submit its work to the compute loop (compute_loop.py), which runs
+    it on one thread in submission order. A plan that follows step n is submitted only after n was
+    (it waits for that here), so when n is done the loop goes straight on to n+1, with no handler
+    thread to wake in between; whether n ran is checked there, just before n+1 runs."""
+
     def __init__(self, runner: ModelRunner, compute: ComputeLoop | None = None):
         self._runner = runner
         # Where the torch work runs (compute_loop.py says why on one thread); inline without one.
         self._compute = compute
-        self._lock = threading.Condition()  # notified whenever a step was handled or the epoch changed
-        self._epoch = ""  # empty until the first Initialize
-        # The last step of this epoch that was handled (run or refused), and whether it ran.
+        self._lock = threading.Condition()  # notified whenever a step was submitted or the epoch changed
+        self._epoch = ""  # empty until the first Initialize; changed on the compute thread
+        # The last step of this epoch submitted to the compute loop (guarded by the lock).
+        self._last_submitted: int | None = None
+        # The last step of this epoch that was handled (run or refused), and whether it ran: only
+        # read and written by the work on the compute thread.
         self._last_step: int | None = None
         self._last_step_ran = False
-        self._block_size = 0
-        self._num_kv_blocks = 0
 
     def Initialize(self, request: pb.InitializeRequest, context) -> pb.InitializeResponse:
         bs = request.block_size
@@ -60,15 +78,11 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 # starting an epoch nobody will use would only invalidate the one it adopts.
                 context.abort(grpc.StatusCode.CANCELLED, "the caller went away before the handshake ran")
             try:
-                num_blocks = self._on_compute_thread(self._runner.initialize, bs)
+                num_blocks = self._submit(self._initialize, bs).result()
             except ValueError as e:  # e.g. a block size the attention backend cannot page with
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            # Every handshake starts a new epoch: the runner dropped all request state, so plans
-            # built against an older epoch must be refused rather than half-applied.
-            self._epoch = uuid.uuid4().hex
-            self._last_step, self._last_step_ran = None, False
+            self._last_submitted = None
             self._lock.notify_all()  # plans waiting for a step of the old epoch give up
-            self._block_size, self._num_kv_blocks = bs, num_blocks
             log.info("initialized: block_size=%d num_kv_blocks=%d epoch=%s", bs, num_blocks, self._epoch)
             return pb.InitializeResponse(
                 executor_epoch=self._epoch,
@@ -77,6 +91,15 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 num_kv_blocks=num_blocks,
             )
 
+    def _initialize(self, block_size: int) -> int:
+        """On the compute thread, after every step submitted before it."""
+        num_blocks = self._runner.initialize(block_size)
+        # Every handshake starts a new epoch: the runner dropped all request state, so plans
+        # built against an older epoch must be refused rather than half-applied.
+        self._epoch = uuid.uuid4().hex
+        self._last_step, self._last_step_ran = None, False
+        return num_blocks
+
     def GetEpoch(self, request: pb.GetEpochRequest, context) -> pb.GetEpochResponse:
         # No lock: it must answer while a long step runs, and reading one str is atomic.
         return pb.GetEpochResponse(executor_epoch=self._epoch)
@@ -84,34 +107,57 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     def ExecuteStep(self, request: pb.StepPlan, context) -> pb.StepResult:
         with self._lock:
             self._check_epoch(request, context)
-            ran = False
-            try:
-                if request.HasField("follows_step_id"):
-                    self._wait_for(request.follows_step_id, request, context)
-                if not context.is_active():  # the scheduler timed out on this step and resynchronises
-                    context.abort(grpc.StatusCode.CANCELLED, "the caller went away before the step ran")
-                plan = codec.plan_from_proto(request)
-                try:
-                    result = self._on_compute_thread(self._runner.execute, plan)  # times itself
-                except PlanError as e:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
-                except Exception as e:
-                    if self._runner.tp.size == 1:
-                        raise
-                    # A collective failed: a rank (on another host) is gone, and the ranks' states
-                    # have parted. Fail the step as "executor lost" and exit, to be restarted whole.
-                    log.error("step %d: tensor-parallel collective failed (%s); exiting", plan.step_id, e)
-                    threading.Timer(0.5, os._exit, (1,)).start()
-                    context.abort(grpc.StatusCode.UNAVAILABLE, "a tensor-parallel rank failed; the executor is restarting")
-                ran = True
-                return codec.result_to_proto(result)
-            finally:
-                if request.executor_epoch == self._epoch:  # not when a handshake came meanwhile
-                    self._last_step, self._last_step_ran = request.step_id, ran
-                self._lock.notify_all()
+            if request.HasField("follows_step_id"):
+                self._wait_for_submitted(request.follows_step_id, request, context)
+            plan = codec.plan_from_proto(request)
+            pending = self._submit(self._run_step, request.executor_epoch, plan, context.is_active)
+            self._last_submitted = request.step_id
+            self._lock.notify_all()
+        try:
+            result = pending.result()  # times itself: StepResult.execute_seconds
+        except StepRefused as e:
+            context.abort(e.code, e.message)
+        except PlanError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
+        except Exception as e:
+            if self._runner.tp.size == 1:
+                raise
+            # A collective failed: a rank (on another host) is gone, and the ranks' states
+            # have parted. Fail the step as "executor lost" and exit, to be restarted whole.
+            log.error("step %d: tensor-parallel collective failed (%s); exiting", plan.step_id, e)
+            threading.Timer(0.5, os._exit, (1,)).start()
+            context.abort(grpc.StatusCode.UNAVAILABLE, "a tensor-parallel rank failed; the executor is restarting")
+        return codec.result_to_proto(result)
 
-    def _on_compute_thread(self, fn, *args):
-        return fn(*args) if self._compute is None else self._compute.call(fn, *args)
+    def _run_step(self, epoch: str, plan: StepPlan, caller_active: Callable[[], bool]) -> StepResult:
+        """On the compute thread, right after the step submitted before it."""
+        if epoch != self._epoch:  # a handshake ran since the plan was submitted
+            raise StepRefused(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"plan is for executor epoch {epoch!r}, current is {self._epoch!r}")
+        ran = False
+        try:
+            follows = plan.follows_step_id
+            if follows is not None and (self._last_step != follows or not self._last_step_ran):
+                raise StepRefused(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"step {plan.step_id} follows step {follows}, which did not run")
+            if not caller_active():  # the scheduler timed out on this step and resynchronises
+                raise StepRefused(grpc.StatusCode.CANCELLED, "the caller went away before the step ran")
+            result = self._runner.execute(plan)
+            ran = True
+            return result
+        finally:
+            self._last_step, self._last_step_ran = plan.step_id, ran
+
+    def _submit(self, fn, *args) -> Future:
+        """`fn(*args)` on the compute loop, or here and now without one."""
+        if self._compute is not None:
+            return self._compute.submit(fn, *args)
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args))
+        except Exception as e:
+            done.set_exception(e)
+        return done
 
     def _check_epoch(self, request: pb.StepPlan, context) -> None:
         if not self._epoch:
@@ -122,20 +168,17 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 f"plan is for executor epoch {request.executor_epoch!r}, current is {self._epoch!r}",
             )
 
-    def _wait_for(self, follows: int, request: pb.StepPlan, context) -> None:
-        """Hold the lock's condition until step `follows` of this epoch has been handled."""
+    def _wait_for_submitted(self, follows: int, request: pb.StepPlan, context) -> None:
+        """Hold the lock's condition until step `follows` of this epoch has been submitted."""
         remaining = context.time_remaining()
         deadline = time.monotonic() + (FOLLOW_WAIT_SECONDS if remaining is None else remaining)
-        while self._last_step is None or self._last_step < follows:
+        while self._last_submitted is None or self._last_submitted < follows:
             left = deadline - time.monotonic()
             if left <= 0 or not context.is_active():
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"step {request.step_id} follows step {follows}, which never arrived")
             self._lock.wait(min(left, 1.0))
             self._check_epoch(request, context)  # a new handshake dropped what the plan builds on
-        if self._last_step != follows or not self._last_step_ran:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"step {request.step_id} follows step {follows}, which did not run")
 
 
 def build_server(

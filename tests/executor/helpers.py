@@ -4,6 +4,7 @@ incremental StepPlans the way the real scheduler does."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from chunkwise.plan import (
     StepPlan,
     StepResult,
 )
+from executor_svc.compute_loop import ComputeLoop
 from executor_svc.config import ExecutorConfig
 from executor_svc.engine import ModelRunner
 
@@ -156,3 +158,21 @@ def run_chunked_cached_mixed(runner: ModelRunner) -> tuple[Driver, list[tuple[st
         d.step({"dec": 1, "a": n, "warm": 1})
     d.step({"a": None, "dec": 1})
     return d, [("warm", 0), ("dec", 0), ("a", 32)]
+
+
+class ServedComputeLoop:
+    """A ComputeLoop served by a thread of its own (the executor serves it on its main thread)."""
+
+    def __init__(self):
+        self.loop = ComputeLoop()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.loop.serve, args=(self.stop,), daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(5)
+        assert not self.thread.is_alive()

@@ -17,27 +17,10 @@ from chunkwise.v1 import executor_pb2_grpc as pb_grpc
 from executor_svc.compute_loop import ComputeLoop, ComputeLoopClosed
 from executor_svc.server import build_server
 
+from .helpers import ServedComputeLoop as Served
 from .helpers import make_runner
 
 TOKEN = "compute-loop-test-token"
-
-
-class Served:
-    """A ComputeLoop served by a thread of its own (the executor serves it on its main thread)."""
-
-    def __init__(self):
-        self.loop = ComputeLoop()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.loop.serve, args=(self.stop,), daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join(5)
-        assert not self.thread.is_alive()
 
 
 def test_calls_from_many_threads_run_on_the_serving_thread_one_at_a_time():

@@ -4,6 +4,7 @@ at the server at once, and the one that follows the other must wait for it, and 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -17,22 +18,27 @@ from chunkwise.v1 import executor_pb2 as pb
 from chunkwise.v1 import executor_pb2_grpc as pb_grpc
 from executor_svc.server import build_server
 
-from .helpers import make_runner
+from .helpers import ServedComputeLoop, make_runner
 
 TOKEN = "step-order-test-token"
 
 
-@pytest.fixture
-def executor(tiny_llama_path):
+@pytest.fixture(params=["inline", "compute-loop"])
+def executor(tiny_llama_path, request):
+    """The server running steps on its handler threads (inline) and on a compute loop's thread,
+    as `python -m executor_svc` does (there: the main thread)."""
     runner = make_runner(tiny_llama_path, block_size=8, num_kv_blocks=16)
-    server, port = build_server(runner, "127.0.0.1", 0, TOKEN)
-    server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    stub = pb_grpc.ExecutorStub(channel)
-    epoch = stub.Initialize(pb.InitializeRequest(block_size=8), metadata=bearer_metadata(TOKEN), timeout=30).executor_epoch
-    yield stub, epoch
-    channel.close()
-    server.stop(None)
+    with contextlib.ExitStack() as stack:
+        loop = stack.enter_context(ServedComputeLoop()).loop if request.param == "compute-loop" else None
+        server, port = build_server(runner, "127.0.0.1", 0, TOKEN, compute=loop)
+        server.start()
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        stub = pb_grpc.ExecutorStub(channel)
+        epoch = stub.Initialize(pb.InitializeRequest(block_size=8), metadata=bearer_metadata(TOKEN),
+                                timeout=30).executor_epoch
+        yield stub, epoch
+        channel.close()
+        server.stop(None)
 
 
 def call(stub, epoch, plan, timeout=30):
