@@ -59,9 +59,12 @@ CONFIGS = {
 # vllm: vLLM as it configures itself. On x86 it reserves one core for its API/scheduler processes
 # (VLLM_CPU_NUM_OF_RESERVED_CPU; its ompmultiprocessing.py), so on this 2-core machine the model
 # runs on one core. vllm-allcores: its OpenMP threads bound to every core and none reserved, the
-# way chunkwise's executor uses them (its scheduler process shares the same cores).
-VLLM_PEERS = ("vllm", "vllm-allcores")
+# way chunkwise's executor uses them (its scheduler process shares the same cores). Both run with
+# --enforce-eager; vllm-allcores-compiled drops it, so vLLM's CPU default applies (its platform
+# code traces the model once and compiles it with inductor), and is not in the default set.
+VLLM_PEERS = ("vllm", "vllm-allcores", "vllm-allcores-compiled")
 PEERS = (*VLLM_PEERS, "hf-padded", "hf-cb")
+DEFAULT_PEERS = ("vllm", "vllm-allcores", "hf-padded", "hf-cb")
 
 
 def log(msg: str) -> None:
@@ -72,11 +75,11 @@ class VllmServer:
     """vLLM's OpenAI server from the peers venv, on a loopback port, started once."""
 
     def __init__(self, model: str, port: int, dtype: str, budget: int, max_model_len: int, kv_gib: float,
-                 all_cores: bool = False, timeout: float = 600):
+                 all_cores: bool = False, eager: bool = True, timeout: float = 600):
         py = PEERS_VENV / "bin" / "python"
         self.cmd = [
             str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "smollm2",
-            "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", dtype,
+            "--host", "127.0.0.1", "--port", str(port), *(["--enforce-eager"] if eager else []), "--dtype", dtype,
             "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(budget),
             "--enable-prompt-tokens-details",
             # vLLM's CPU attention takes block sizes in multiples of 32 only (16 fails at start-up)
@@ -89,7 +92,7 @@ class VllmServer:
             env.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)), VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         self.env = {k: env[k] for k in env if k.startswith("VLLM_")}
         TMP.mkdir(parents=True, exist_ok=True)
-        self.log_path = TMP / ("vllm_allcores_server.log" if all_cores else "vllm_server.log")
+        self.log_path = TMP / f"vllm{'_allcores' if all_cores else ''}{'' if eager else '_compiled'}_server.log"
         self.log_file = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -279,7 +282,8 @@ async def main_async(ns) -> dict:
         for i, name in enumerate(p for p in VLLM_PEERS if p in peers):
             log(f"starting {name} (peers venv)")
             vllms[name] = await asyncio.to_thread(VllmServer, model, ns.vllm_port + i, ns.dtype, ns.budget,
-                                                  ns.max_model_len, ns.kv_gib * 2, name == "vllm-allcores")
+                                                  ns.max_model_len, ns.kv_gib * 2, all_cores=name != "vllm",
+                                                  eager=name != "vllm-allcores-compiled")
         for rnd, order in enumerate(lt.round_orders(names, ns.repeats, True)):
             for name in order:
                 if name.startswith("hf-") and rnd >= ns.hf_repeats:
@@ -377,7 +381,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--kv-gib", type=float, default=1.0, help="chunkwise KV cache GiB (vLLM gets twice: its own layout)")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    p.add_argument("--peers", nargs="+", default=list(PEERS), choices=[*PEERS, "none"])
+    p.add_argument("--peers", nargs="+", default=list(DEFAULT_PEERS), choices=[*PEERS, "none"])
     p.add_argument("--repeats", type=int, default=3, help="rounds (every config once per round)")
     p.add_argument("--hf-repeats", type=int, default=1, help="rounds that include the (slow) transformers peers")
     p.add_argument("--hf-batch-size", type=int, default=8)
