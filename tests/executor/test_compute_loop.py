@@ -134,3 +134,54 @@ def test_the_server_runs_the_handshake_and_every_step_on_the_loop_thread(tiny_ll
             server.stop(None)
     assert threads["initialize"] == {served.thread.ident}
     assert threads["execute"] == {served.thread.ident}
+
+
+def test_a_plan_whose_caller_gave_up_while_queued_is_not_run(tiny_llama_path):
+    """The scheduler's deadline on a step passes while the step before it runs: the queued plan
+    is dropped where it would run (the scheduler resynchronises with a new handshake), and a plan
+    that follows it is refused as following a step that did not run."""
+    runner = make_runner(tiny_llama_path, block_size=8, num_kv_blocks=16)
+    executed = []
+    execute = runner.execute
+
+    def slow_first_decode(plan):
+        executed.append(plan.step_id)
+        if plan.step_id == 2:
+            time.sleep(1.0)
+        return execute(plan)
+
+    runner.execute = slow_first_decode
+    with Served() as served:
+        server, port = build_server(runner, "127.0.0.1", 0, TOKEN, compute=served.loop)
+        server.start()
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        stub = pb_grpc.ExecutorStub(channel)
+        md = bearer_metadata(TOKEN)
+        try:
+            epoch = stub.Initialize(pb.InitializeRequest(block_size=8), metadata=md, timeout=30).executor_epoch
+
+            def step(plan, timeout=30):
+                return stub.ExecuteStep(codec.plan_to_proto(plan, epoch), metadata=md, timeout=timeout)
+
+            def decode(step_id, position):
+                return StepPlan(step_id, follows_step_id=step_id - 1,
+                                running=[RunningRequestDelta("a", [], [], append_sampled=True)],
+                                chunks=[ScheduledChunk("a", position, 1, position, True)])
+
+            step(StepPlan(1, new_requests=[NewRequestData("a", list(range(10, 20)), [3, 4], GREEDY)],
+                          chunks=[ScheduledChunk("a", 0, 10, 0, True)]))
+            slow = threading.Thread(target=step, args=(decode(2, 10),))
+            slow.start()
+            time.sleep(0.2)  # step 2 is running (1 s)
+            with pytest.raises(grpc.RpcError) as e:
+                step(decode(3, 11), timeout=0.3)  # queued behind it; its caller gives up
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            slow.join(10)
+            with pytest.raises(grpc.RpcError) as e:
+                step(decode(4, 12))
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "follows step 3, which did not run" in e.value.details()
+        finally:
+            channel.close()
+            server.stop(None)
+    assert executed == [1, 2]
