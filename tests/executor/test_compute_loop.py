@@ -3,6 +3,7 @@ itself, and the gRPC server handing every handshake and step to it."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -90,6 +91,40 @@ def test_a_stopped_loop_refuses_work_and_fails_what_was_queued():
         loop.call(lambda: None)
 
 
+@contextlib.contextmanager
+def served_executor(runner):
+    """The gRPC server over `runner` with its work on a served compute loop, initialized; yields
+    the loop and `step(plan, timeout)`, which returns the decoded result."""
+    with Served() as served:
+        server, port = build_server(runner, "127.0.0.1", 0, TOKEN, compute=served.loop)
+        server.start()
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        stub = pb_grpc.ExecutorStub(channel)
+        md = bearer_metadata(TOKEN)
+        try:
+            epoch = stub.Initialize(pb.InitializeRequest(block_size=8), metadata=md, timeout=30).executor_epoch
+
+            def step(plan, timeout=30):
+                return codec.result_from_proto(stub.ExecuteStep(codec.plan_to_proto(plan, epoch), metadata=md,
+                                                                timeout=timeout))
+
+            yield served, step
+        finally:
+            channel.close()
+            server.stop(None)
+
+
+def prefill_a():
+    return StepPlan(1, new_requests=[NewRequestData("a", list(range(10, 20)), [3, 4], GREEDY)],
+                    chunks=[ScheduledChunk("a", 0, 10, 0, True)])
+
+
+def blind_decode(step_id, position):
+    """A decode of request "a" that follows the step before it (async scheduling)."""
+    return StepPlan(step_id, follows_step_id=step_id - 1, running=[RunningRequestDelta("a", [], [], append_sampled=True)],
+                    chunks=[ScheduledChunk("a", position, 1, position, True)])
+
+
 def test_the_server_runs_the_handshake_and_every_step_on_the_loop_thread(tiny_llama_path):
     runner = make_runner(tiny_llama_path, block_size=8, num_kv_blocks=16)
     threads: dict[str, set[int]] = {"initialize": set(), "execute": set()}
@@ -101,37 +136,19 @@ def test_the_server_runs_the_handshake_and_every_step_on_the_loop_thread(tiny_ll
             return _method(*args)
 
         setattr(runner, name, recorded)
-    with Served() as served:
-        server, port = build_server(runner, "127.0.0.1", 0, TOKEN, compute=served.loop)
-        server.start()
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        stub = pb_grpc.ExecutorStub(channel)
-        md = bearer_metadata(TOKEN)
-        try:
-            epoch = stub.Initialize(pb.InitializeRequest(block_size=8), metadata=md, timeout=30).executor_epoch
-
-            def step(plan):
-                return codec.result_from_proto(stub.ExecuteStep(codec.plan_to_proto(plan, epoch), metadata=md, timeout=30))
-
-            step(StepPlan(1, new_requests=[NewRequestData("a", list(range(10, 20)), [3, 4], GREEDY)],
-                          chunks=[ScheduledChunk("a", 0, 10, 0, True)]))
-            # Two plans in flight at once (async scheduling), the later one sent first.
-            later = {}
-            sender = threading.Thread(target=lambda: later.setdefault("r", step(StepPlan(
-                3, follows_step_id=2, running=[RunningRequestDelta("a", [], [], append_sampled=True)],
-                chunks=[ScheduledChunk("a", 11, 1, 11, True)]))))
-            sender.start()
-            step(StepPlan(2, follows_step_id=1, running=[RunningRequestDelta("a", [], [], append_sampled=True)],
-                          chunks=[ScheduledChunk("a", 10, 1, 10, True)]))
-            sender.join(30)
-            assert len(later["r"].sampled) == 1
-            # A plan the runner refuses is still an INVALID_ARGUMENT, raised on the loop's thread.
-            with pytest.raises(grpc.RpcError) as e:
-                step(StepPlan(4, chunks=[ScheduledChunk("zz", 0, 1, 0, True)]))
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        finally:
-            channel.close()
-            server.stop(None)
+    with served_executor(runner) as (served, step):
+        step(prefill_a())
+        # Two plans in flight at once (async scheduling), the later one sent first.
+        later = {}
+        sender = threading.Thread(target=lambda: later.setdefault("r", step(blind_decode(3, 11))))
+        sender.start()
+        step(blind_decode(2, 10))
+        sender.join(30)
+        assert len(later["r"].sampled) == 1
+        # A plan the runner refuses is still an INVALID_ARGUMENT, raised on the loop's thread.
+        with pytest.raises(grpc.RpcError) as e:
+            step(StepPlan(4, chunks=[ScheduledChunk("zz", 0, 1, 0, True)]))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert threads["initialize"] == {served.thread.ident}
     assert threads["execute"] == {served.thread.ident}
 
@@ -151,37 +168,17 @@ def test_a_plan_whose_caller_gave_up_while_queued_is_not_run(tiny_llama_path):
         return execute(plan)
 
     runner.execute = slow_first_decode
-    with Served() as served:
-        server, port = build_server(runner, "127.0.0.1", 0, TOKEN, compute=served.loop)
-        server.start()
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        stub = pb_grpc.ExecutorStub(channel)
-        md = bearer_metadata(TOKEN)
-        try:
-            epoch = stub.Initialize(pb.InitializeRequest(block_size=8), metadata=md, timeout=30).executor_epoch
-
-            def step(plan, timeout=30):
-                return stub.ExecuteStep(codec.plan_to_proto(plan, epoch), metadata=md, timeout=timeout)
-
-            def decode(step_id, position):
-                return StepPlan(step_id, follows_step_id=step_id - 1,
-                                running=[RunningRequestDelta("a", [], [], append_sampled=True)],
-                                chunks=[ScheduledChunk("a", position, 1, position, True)])
-
-            step(StepPlan(1, new_requests=[NewRequestData("a", list(range(10, 20)), [3, 4], GREEDY)],
-                          chunks=[ScheduledChunk("a", 0, 10, 0, True)]))
-            slow = threading.Thread(target=step, args=(decode(2, 10),))
-            slow.start()
-            time.sleep(0.2)  # step 2 is running (1 s)
-            with pytest.raises(grpc.RpcError) as e:
-                step(decode(3, 11), timeout=0.3)  # queued behind it; its caller gives up
-            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            slow.join(10)
-            with pytest.raises(grpc.RpcError) as e:
-                step(decode(4, 12))
-            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "follows step 3, which did not run" in e.value.details()
-        finally:
-            channel.close()
-            server.stop(None)
+    with served_executor(runner) as (_, step):
+        step(prefill_a())
+        slow = threading.Thread(target=step, args=(blind_decode(2, 10),))
+        slow.start()
+        time.sleep(0.2)  # step 2 is running (1 s)
+        with pytest.raises(grpc.RpcError) as e:
+            step(blind_decode(3, 11), timeout=0.3)  # queued behind it; its caller gives up
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        slow.join(10)
+        with pytest.raises(grpc.RpcError) as e:
+            step(blind_decode(4, 12))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "follows step 3, which did not run" in e.value.details()
     assert executed == [1, 2]
