@@ -21,9 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, TypeVar
-
-T = TypeVar("T")
+from typing import Any, Callable
 
 # How often the serving thread looks at its stop event when no work comes.
 POLL_SECONDS = 0.2
@@ -39,10 +37,9 @@ class ComputeLoop:
     def __init__(self) -> None:
         self._work: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple]] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders `submit`'s put against `serve`'s final drain
-        self._thread_id: int | None = None  # the serving thread, while it serves
         self._closed = False
 
-    def submit(self, fn: Callable[..., T], *args: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Queue `fn(*args)` for the loop's thread; the Future has its result or its exception."""
         fut: Future = Future()
         with self._lock:
@@ -52,16 +49,8 @@ class ComputeLoop:
                 self._work.put((fut, fn, args))
         return fut
 
-    def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the loop's thread (inline when already there); its result, or it raises."""
-        if self._thread_id == threading.get_ident():
-            return fn(*args)
-        return self.submit(fn, *args).result()
-
     def serve(self, stop: threading.Event) -> None:
         """Run queued work on this thread until `stop` is set; then fail what is still queued."""
-        with self._lock:
-            self._thread_id = threading.get_ident()
         try:
             while not stop.is_set():
                 try:
@@ -77,7 +66,6 @@ class ComputeLoop:
         finally:
             with self._lock:
                 self._closed = True
-                self._thread_id = None
             while True:
                 try:
                     fut, _, _ = self._work.get_nowait()

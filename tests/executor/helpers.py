@@ -176,3 +176,16 @@ class ServedComputeLoop:
         self.stop.set()
         self.thread.join(5)
         assert not self.thread.is_alive()
+
+
+def prefill(step: int) -> StepPlan:
+    """Step `step`: request "a" (10 prompt tokens in blocks 3 and 4) prefilled whole, sampled."""
+    return StepPlan(step, new_requests=[NewRequestData("a", list(range(10, 20)), [3, 4], GREEDY)],
+                    chunks=[ScheduledChunk("a", 0, 10, 0, True)])
+
+
+def blind_decode(step: int, position: int) -> StepPlan:
+    """A decode of "a" at `position` that follows step - 1 and appends the token sampled there
+    (async scheduling: the scheduler has not seen it yet)."""
+    return StepPlan(step, follows_step_id=step - 1, running=[RunningRequestDelta("a", [], [], append_sampled=True)],
+                    chunks=[ScheduledChunk("a", position, 1, position, True)])

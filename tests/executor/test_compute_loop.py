@@ -12,14 +12,14 @@ import pytest
 
 from chunkwise import codec
 from chunkwise.auth import bearer_metadata
-from chunkwise.plan import GREEDY, NewRequestData, RunningRequestDelta, ScheduledChunk, StepPlan
+from chunkwise.plan import ScheduledChunk, StepPlan
 from chunkwise.v1 import executor_pb2 as pb
 from chunkwise.v1 import executor_pb2_grpc as pb_grpc
 from executor_svc.compute_loop import ComputeLoop, ComputeLoopClosed
 from executor_svc.server import build_server
 
 from .helpers import ServedComputeLoop as Served
-from .helpers import make_runner
+from .helpers import blind_decode, make_runner, prefill
 
 TOKEN = "compute-loop-test-token"
 
@@ -37,7 +37,8 @@ def test_calls_from_many_threads_run_on_the_serving_thread_one_at_a_time():
 
     with Served() as served:
         results = {}
-        callers = [threading.Thread(target=lambda i=i: results.setdefault(i, served.loop.call(work, i))) for i in range(8)]
+        callers = [threading.Thread(target=lambda i=i: results.setdefault(i, served.loop.submit(work, i).result()))
+                   for i in range(8)]
         for t in callers:
             t.start()
         for t in callers:
@@ -53,14 +54,14 @@ def test_an_exception_reaches_the_caller_and_the_loop_goes_on():
 
     with Served() as served:
         with pytest.raises(ValueError, match="bad plan"):
-            served.loop.call(boom)
-        assert served.loop.call(lambda: threading.get_ident()) == served.thread.ident
+            served.loop.submit(boom).result()
+        assert served.loop.submit(lambda: threading.get_ident()).result() == served.thread.ident
 
 
 def test_work_queued_before_the_loop_serves_waits_for_it():
     served = Served()
     got = []
-    caller = threading.Thread(target=lambda: got.append(served.loop.call(threading.get_ident)))
+    caller = threading.Thread(target=lambda: got.append(served.loop.submit(threading.get_ident).result()))
     caller.start()
     time.sleep(0.3)
     assert not got, "the work ran before the loop served it (on the caller's thread)"
@@ -76,7 +77,7 @@ def test_a_stopped_loop_refuses_work_and_fails_what_was_queued():
 
     def blocked_caller():
         try:
-            loop.call(lambda: None)
+            loop.submit(lambda: None).result()
         except ComputeLoopClosed as e:
             errors.append(e)
 
@@ -88,7 +89,7 @@ def test_a_stopped_loop_refuses_work_and_fails_what_was_queued():
     caller.join(5)
     assert not caller.is_alive() and len(errors) == 1
     with pytest.raises(ComputeLoopClosed):
-        loop.call(lambda: None)
+        loop.submit(lambda: None).result()
 
 
 @contextlib.contextmanager
@@ -114,17 +115,6 @@ def served_executor(runner):
             server.stop(None)
 
 
-def prefill_a():
-    return StepPlan(1, new_requests=[NewRequestData("a", list(range(10, 20)), [3, 4], GREEDY)],
-                    chunks=[ScheduledChunk("a", 0, 10, 0, True)])
-
-
-def blind_decode(step_id, position):
-    """A decode of request "a" that follows the step before it (async scheduling)."""
-    return StepPlan(step_id, follows_step_id=step_id - 1, running=[RunningRequestDelta("a", [], [], append_sampled=True)],
-                    chunks=[ScheduledChunk("a", position, 1, position, True)])
-
-
 def test_the_server_runs_the_handshake_and_every_step_on_the_loop_thread(tiny_llama_path):
     runner = make_runner(tiny_llama_path, block_size=8, num_kv_blocks=16)
     threads: dict[str, set[int]] = {"initialize": set(), "execute": set()}
@@ -137,7 +127,7 @@ def test_the_server_runs_the_handshake_and_every_step_on_the_loop_thread(tiny_ll
 
         setattr(runner, name, recorded)
     with served_executor(runner) as (served, step):
-        step(prefill_a())
+        step(prefill(1))
         # Two plans in flight at once (async scheduling), the later one sent first.
         later = {}
         sender = threading.Thread(target=lambda: later.setdefault("r", step(blind_decode(3, 11))))
@@ -169,7 +159,7 @@ def test_a_plan_whose_caller_gave_up_while_queued_is_not_run(tiny_llama_path):
 
     runner.execute = slow_first_decode
     with served_executor(runner) as (_, step):
-        step(prefill_a())
+        step(prefill(1))
         slow = threading.Thread(target=step, args=(blind_decode(2, 10),))
         slow.start()
         time.sleep(0.2)  # step 2 is running (1 s)

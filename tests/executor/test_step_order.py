@@ -13,12 +13,12 @@ import pytest
 
 from chunkwise import codec
 from chunkwise.auth import bearer_metadata
-from chunkwise.plan import GREEDY, NewRequestData, RunningRequestDelta, ScheduledChunk, StepPlan
+from chunkwise.plan import RunningRequestDelta, ScheduledChunk, StepPlan
 from chunkwise.v1 import executor_pb2 as pb
 from chunkwise.v1 import executor_pb2_grpc as pb_grpc
 from executor_svc.server import build_server
 
-from .helpers import ServedComputeLoop, make_runner
+from .helpers import ServedComputeLoop, blind_decode, make_runner, prefill
 
 TOKEN = "step-order-test-token"
 
@@ -44,16 +44,6 @@ def executor(tiny_llama_path, request):
 def call(stub, epoch, plan, timeout=30):
     return codec.result_from_proto(stub.ExecuteStep(codec.plan_to_proto(plan, epoch), metadata=bearer_metadata(TOKEN),
                                                     timeout=timeout))
-
-
-def prefill(step):
-    return StepPlan(step, new_requests=[NewRequestData("a", list(range(10, 20)), [3, 4], GREEDY)],
-                    chunks=[ScheduledChunk("a", 0, 10, 0, True)])
-
-
-def blind_decode(step, position):
-    return StepPlan(step, follows_step_id=step - 1, running=[RunningRequestDelta("a", [], [], append_sampled=True)],
-                    chunks=[ScheduledChunk("a", position, 1, position, True)])
 
 
 def test_a_plan_that_arrives_before_the_step_it_follows_waits_for_it(executor):
