@@ -9,10 +9,12 @@ happen on the event loop thread, so the core needs no locks.
 With async scheduling (the default; `--no-async-scheduling` turns it off) the loop keeps two steps
 at the executor: step n+1 is planned and sent while n runs, so the executor starts n+1 as soon as
 n is done instead of waiting for the scheduler, and the update, detokenising and streaming of n
-happen while n+1 runs. The order each turn is: update(n), stream n's outputs (a stop string found
-here ends the request before anything more is planned for it), plan and send n+2, await n+1. The
-core's docstring says how preemption, aborts, finishes and the prefix cache stay correct with a
-step in flight; a failed step drops every step behind it (`_recover`).
+happen while n+1 runs. The order each turn is: update(n), detokenize n's outputs (a stop string
+found here ends the request before anything more is planned for it), plan and send n+2, then hand
+n's outputs to the streams, then await n+1. Streaming comes after the send because the streams'
+gRPC writes cost more than a fast step. Without async scheduling the turn is the same with n+1 in
+place of n+2. The core's docstring says how preemption, aborts, finishes and the prefix cache stay
+correct with a step in flight; a failed step drops every step behind it (`_recover`).
 """
 
 from __future__ import annotations
@@ -332,12 +334,7 @@ class Engine:
                         self.scheduler.handle_executor_restart()
                         await self._reconnect()
                         continue
-            # Plan ahead: as many steps as the core allows (two with async scheduling).
-            while self.scheduler.can_schedule() and self.scheduler.has_work():
-                plan = self.scheduler.schedule()
-                if plan.is_empty:
-                    break
-                sent.append(self._send(plan))
+            self._plan_ahead()
             if not sent:
                 # Nothing fits this step (e.g. every waiting request needs blocks nobody frees
                 # until a stream is released); wait for a change rather than spin. An empty plan is
@@ -361,18 +358,36 @@ class Engine:
             # A step sent behind another starts when that one's result is in.
             self.metrics.observe_step(now - max(step.sent_at, self._last_result_at), result.execute_seconds)
             self._last_result_at = now
-            self._dispatch(self.scheduler.update(step.plan, result))
+            events = self._dispatch(self.scheduler.update(step.plan, result))
             self.publish_kv_events()  # blocks registered now that the step that wrote them ran
+            # The next plan goes out before the streams are served: 32 streams' writes take
+            # longer than a fast step, and the executor would wait for them. One yield lets the
+            # call start (ExecutorClient.execute), then the streams' handlers wake.
+            if self._plan_ahead():
+                await asyncio.sleep(0)
+            for queue, event in events:
+                queue.put_nowait(event)
             # Yield once per step so handlers can enqueue and streams can flush.
             await asyncio.sleep(0)
+
+    def _plan_ahead(self) -> bool:
+        """Plan and send as many steps as the core allows (two with async scheduling); whether
+        any was sent."""
+        sent_any = False
+        while self.scheduler.can_schedule() and self.scheduler.has_work():
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                break
+            self._sent.append(self._send(plan))
+            sent_any = True
+        return sent_any
 
     def _send(self, plan: StepPlan) -> _SentStep:
         # A step queued behind another waits for it at the executor: its deadline covers both.
         timeout = self.executor.step_timeout
         if timeout is not None and plan.follows_step_id is not None:
             timeout *= 2
-        call = asyncio.ensure_future(self.executor.execute(plan, self.info.epoch, timeout=timeout))
-        return _SentStep(plan, call, time.perf_counter())
+        return _SentStep(plan, self.executor.execute(plan, self.info.epoch, timeout=timeout), time.perf_counter())
 
     async def _drop_sent(self) -> None:
         """Cancel the calls of every step still at the executor and forget them."""
@@ -403,8 +418,11 @@ class Engine:
             return False
         return True
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput]) -> list[tuple[asyncio.Queue, StreamEvent]]:
+        """Detokenize a step's outputs, end the requests a stop string ends, and return the event
+        for each stream (the caller delivers them once the next plan is on its way)."""
         now = time.monotonic()
+        events = []
         for out in outputs:
             stream = self._streams.get(out.req_id)
             if stream is None or stream.finished:
@@ -448,7 +466,8 @@ class Engine:
                         "e2e_s": round(now - stream.arrival, 4),
                     },
                 )
-            stream.queue.put_nowait(event)
+            events.append((stream.queue, event))
+        return events
 
     def _fail(self, request_id: str, error: EngineError) -> None:
         self.scheduler.abort_request(request_id)

@@ -110,17 +110,31 @@ class ExecutorClient:
             raise _executor_error(e) from None
         return resp.executor_epoch
 
-    async def execute(self, plan: StepPlan, epoch: str, timeout: float | None = None) -> StepResult:
+    def execute(self, plan: StepPlan, epoch: str, timeout: float | None = None) -> asyncio.Task[StepResult]:
+        """Encode the plan and start the call now; the task gives its result.
+
+        Starting the call here, not in the task, puts it ahead of whatever the caller wakes next:
+        grpc.aio sends a unary call from a task of its own, which runs on the event loop's next
+        turn, so a caller that yields once after this knows the plan is on its way.
+        """
         msg = codec.plan_to_proto(plan, epoch)
+        call = self._stub.ExecuteStep(
+            msg, metadata=self._metadata, timeout=timeout if timeout is not None else self.step_timeout
+        )
+        return asyncio.ensure_future(self._step_result(call, plan.step_id))
+
+    @staticmethod
+    async def _step_result(call, step_id: int) -> StepResult:
         try:
-            resp = await self._stub.ExecuteStep(
-                msg, metadata=self._metadata, timeout=timeout if timeout is not None else self.step_timeout
-            )
+            resp = await call
         except grpc.aio.AioRpcError as e:
             raise _executor_error(e) from None
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
         result = codec.result_from_proto(resp)
-        if result.step_id != plan.step_id:
-            raise ExecutorRejected("INTERNAL", f"executor answered step {result.step_id} for plan {plan.step_id}")
+        if result.step_id != step_id:
+            raise ExecutorRejected("INTERNAL", f"executor answered step {result.step_id} for plan {step_id}")
         return result
 
     async def close(self) -> None:
