@@ -67,6 +67,15 @@ class StreamEvent:
     cached_prompt_tokens: int = 0
     error: EngineError | None = None
 
+    def then(self, later: StreamEvent) -> StreamEvent:
+        """This event and the one after it as one: what both added, and the later one's counts."""
+        return StreamEvent(
+            token_ids=self.token_ids + later.token_ids, text=self.text + later.text,
+            logprobs=self.logprobs + later.logprobs, finish_reason=later.finish_reason,
+            prompt_tokens=later.prompt_tokens, completion_tokens=later.completion_tokens,
+            cached_prompt_tokens=later.cached_prompt_tokens,
+        )
+
 
 @dataclass
 class _SentStep:
@@ -84,6 +93,26 @@ class RequestStream:
     arrival: float = 0.0  # time.monotonic() at admission, for latency metrics
     first_token_at: float | None = None
     finished: bool = False
+    _held: StreamEvent | None = None  # an error that arrived behind events being merged
+
+    async def next_event(self) -> StreamEvent:
+        """The next event, merged with every event already queued behind it.
+
+        A client that reads slower than steps come (or a handler that missed a turn of the event
+        loop) then gets one larger message instead of a backlog of small ones, each of which
+        costs a gRPC write. An error is never merged: it comes on its own, after what came before.
+        """
+        if self._held is not None:
+            event, self._held = self._held, None
+            return event
+        event = await self.queue.get()
+        while event.error is None and event.finish_reason is None and not self.queue.empty():
+            later = self.queue.get_nowait()
+            if later.error is not None:
+                self._held = later
+                break
+            event = event.then(later)
+        return event
 
 
 class Engine:

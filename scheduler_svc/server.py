@@ -94,7 +94,7 @@ class GenerationServicer(gpb_grpc.GenerationServicer):
         log.debug("request %s: %d prompt tokens", rid, len(parsed.prompt_token_ids))
         try:
             while True:
-                ev = await stream.queue.get()
+                ev = await stream.next_event()
                 if ev.error is not None:
                     await context.abort(_STATUS[ev.error.kind], ev.error.message)
                 yield _event_to_proto(rid, ev)

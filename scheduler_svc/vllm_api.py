@@ -280,7 +280,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         logprobs: list[SampledToken] = []
         try:
             while True:
-                ev = await stream.queue.get()
+                ev = await stream.next_event()
                 if ev.error is not None:
                     await context.abort(_STATUS[ev.error.kind], ev.error.message)
                 if request.stream:
