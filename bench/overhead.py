@@ -69,6 +69,9 @@ async def run(ns) -> dict:
                                     max_position_embeddings=2048)
         targets.append(("tiny-random", str(tiny), ["--dtype", "float32"], ["decode-heavy"]))
     rows = []
+    cpus = sorted(os.sched_getaffinity(0))
+    if ns.split_cores and len(cpus) < 2:
+        raise SystemExit("--split-cores needs at least two CPUs")
     for model_name, model_dir, executor_args, workloads in targets:
         vocab = lt.model_vocab_size(model_dir)
         stacks = {}
@@ -76,6 +79,8 @@ async def run(ns) -> dict:
             for mode, flags in MODES.items():
                 stacks[mode] = await asyncio.to_thread(
                     lt.ManagedStack, model_dir, lt.ServerConfig(f"CP+PC {mode}", [*scheduler, *flags]), executor_args)
+                if ns.split_cores:
+                    split_cores(stacks[mode], cpus)
             for rnd in range(ns.repeats):
                 for w in workloads:
                     spec = WORKLOADS[w]
@@ -117,8 +122,19 @@ async def run(ns) -> dict:
                   for rnd in range(ns.repeats) if (rnd, "async") in by_round and (rnd, "sync") in by_round]
         summary[key]["throughput_ratio_async_over_sync"] = lt.spread(ratios)
     return {"schema": "chunkwise.bench.overhead/2", "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "scheduler_args": scheduler, "dtype": ns.dtype,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "scheduler_args": scheduler,
+            "split_cores": ns.split_cores, "dtype": ns.dtype,
             "workloads": WORKLOADS, "codec": codec_cost(), "summary": summary, "runs": rows}
+
+
+def split_cores(ms, cpus: list[int]) -> None:
+    """Pin the executor (started with one OpenMP thread) to the first CPU, and the scheduler and
+    this load generator to the rest: a GPU executor's compute does not take the host CPU that
+    the scheduler and the clients need, which two shared cores cannot otherwise show."""
+    for pid, mask in ((ms.stack.executor.popen.pid, {cpus[0]}), (ms.stack.scheduler.popen.pid, set(cpus[1:]))):
+        for tid in os.listdir(f"/proc/{pid}/task"):  # every thread: an affinity is per thread
+            os.sched_setaffinity(int(tid), mask)
+    os.sched_setaffinity(0, set(cpus[1:]))
 
 
 def codec_cost(repeats: int = 200) -> dict:
@@ -163,9 +179,14 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-tiny", action="store_true")
     p.add_argument("--tiny-only", action="store_true", help="only the tiny random model (a quick check)")
+    p.add_argument("--split-cores", action="store_true",
+                   help="the executor on one CPU with one thread, the scheduler and the load generator on the "
+                        "others (a stand-in for a GPU executor, whose compute leaves the host CPUs free)")
     p.add_argument("--json", default=None)
     ns = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if ns.split_cores:
+        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by both services; the scheduler runs no torch
     result = asyncio.run(run(ns))
     print()
     print(f"{'model/workload':30s} {'mode':5s} {'idle frac (med, min-max)':>26s} {'idle ms/step':>13s} "
