@@ -24,6 +24,7 @@ class ServiceConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     async_scheduling: bool = True  # plan step n+1 while step n runs
+    stream_interval: int = 1  # tokens per streamed message after the first (SGLang's --stream-interval)
     max_waiting_requests: int = 4096
     api_keys: tuple[str, ...] = field(default_factory=tuple)
     executor_connect_timeout: float = 300.0  # seconds to wait for the executor at start-up
@@ -51,6 +52,8 @@ class ServiceConfig:
             problems.append(f"--port must be in [0, 65535], got {self.port}")
         if self.max_waiting_requests < 1:
             problems.append("--max-waiting-requests must be >= 1")
+        if not 1 <= self.stream_interval <= 1024:
+            problems.append(f"--stream-interval must be in [1, 1024], got {self.stream_interval}")
         if self.executor_connect_timeout <= 0 or self.executor_wait_timeout <= 0 or self.executor_step_timeout <= 0:
             problems.append("executor timeouts must be > 0")
         if self.shutdown_grace < 0:
@@ -114,6 +117,9 @@ class ServiceConfig:
         add_flag(p, "--async-scheduling", action=argparse.BooleanOptionalAction, default=cls.async_scheduling,
                  help="plan and send the next step while the executor runs the current one, so it never "
                  "waits for the scheduler (--no-async-scheduling: one step at a time)")
+        add_flag(p, "--stream-interval", type=int, default=cls.stream_interval,
+                 help="a stream gets its first token at once, then a message every N tokens (and the rest at "
+                 "its end): fewer messages cost the server and its clients less CPU, for coarser streaming")
         add_flag(p, "--max-waiting-requests", type=int, default=cls.max_waiting_requests,
                  help="queued requests beyond this are refused with RESOURCE_EXHAUSTED")
         add_flag(p, "--api-key", action="append", dest="api_keys", default=None,

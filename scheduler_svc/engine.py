@@ -93,6 +93,10 @@ class RequestStream:
     arrival: float = 0.0  # time.monotonic() at admission, for latency metrics
     first_token_at: float | None = None
     finished: bool = False
+    # --stream-interval: the output held back since the last event handed out, and the
+    # completion-token count at that event.
+    unsent: StreamEvent | None = None
+    sent_tokens: int = 0
     _held: StreamEvent | None = None  # an error that arrived behind events being merged
 
     async def next_event(self) -> StreamEvent:
@@ -480,6 +484,13 @@ class Engine:
                 completion_tokens=out.num_output_tokens,
                 cached_prompt_tokens=out.num_cached_tokens,
             )
+            if stream.unsent is not None:
+                event, stream.unsent = stream.unsent.then(event), None
+            interval = self.config.stream_interval
+            if finish_reason is None and stream.sent_tokens and event.completion_tokens - stream.sent_tokens < interval:
+                stream.unsent = event  # --stream-interval: not yet
+                continue
+            stream.sent_tokens = event.completion_tokens
             if finish_reason is not None:
                 stream.finished = True
                 self.metrics.observe_finished(stream.arrival, stream.first_token_at, now, out.num_output_tokens)

@@ -1,12 +1,18 @@
-"""A stream's events reach its handler merged when several are queued (RequestStream.next_event):
-fewer, larger messages for a reader that fell behind, nothing lost, an error on its own."""
+"""Fewer, larger stream messages: a stream's events reach its handler merged when several are queued
+(RequestStream.next_event: nothing lost, an error on its own), and --stream-interval N sends the
+first token at once, then every N tokens."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from chunkwise.plan import SampledToken
+from scheduler_svc.config import ServiceConfig
 from scheduler_svc.engine import EngineError, ErrorKind, RequestStream, StreamEvent
+
+from ._engine_harness import serve_one
 
 
 def _event(token: int, n: int, finish: str | None = None) -> StreamEvent:
@@ -48,3 +54,20 @@ def test_an_error_comes_on_its_own_after_what_came_before():
 def test_one_event_is_passed_through():
     (only,) = _drain([_event(5, 1)], 1)
     assert only.token_ids == [5] and only.completion_tokens == 1
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_stream_interval_sends_the_first_token_then_every_n(async_scheduling):
+    baseline, tokens = asyncio.run(serve_one(10, async_scheduling=async_scheduling))
+    queue, interval_tokens = asyncio.run(serve_one(10, async_scheduling=async_scheduling, stream_interval=4))
+    assert interval_tokens == tokens and len(tokens) == 10  # the same tokens, in fewer messages
+    assert [len(e.token_ids) for e in baseline.events] == [1] * 10
+    assert [len(e.token_ids) for e in queue.events] == [1, 4, 4, 1]
+    assert [e.completion_tokens for e in queue.events] == [1, 5, 9, 10]
+    assert [e.finish_reason for e in queue.events] == [None, None, None, "length"]
+
+
+def test_stream_interval_is_validated():
+    with pytest.raises(ValueError, match="--stream-interval must be in"):
+        ServiceConfig(token="t", stream_interval=0).validate()
+    assert ServiceConfig.from_args(["--token", "t", "--stream-interval", "8"]).stream_interval == 8
