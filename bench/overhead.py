@@ -60,7 +60,7 @@ WORKLOADS = {
 async def run(ns) -> dict:
     from chunkwise.model_source import resolve_model
 
-    scheduler = ["--max-model-len", "1024", "--max-num-batched-tokens", "1024"]
+    scheduler = ["--max-model-len", "1024", "--max-num-batched-tokens", "1024", "--stream-interval", str(ns.stream_interval)]
     targets = [] if ns.tiny_only else [("SmolLM2-135M", str(resolve_model(ns.model)), ["--dtype", ns.dtype], list(WORKLOADS))]
     if not ns.no_tiny:
         from model_fixtures import make_tiny_checkpoint
@@ -179,6 +179,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-tiny", action="store_true")
     p.add_argument("--tiny-only", action="store_true", help="only the tiny random model (a quick check)")
+    p.add_argument("--stream-interval", type=int, default=1, help="the scheduler's --stream-interval")
     p.add_argument("--split-cores", action="store_true",
                    help="the executor on one CPU with one thread, the scheduler and the load generator on the "
                         "others (a stand-in for a GPU executor, whose compute leaves the host CPUs free)")
