@@ -42,7 +42,8 @@ FAMILIES = (
     # The one compiled graph of a step is the paged decode kernel ("Call CompiledFxGraph").
     ("attention: paged decode kernel", ("CompiledFxGraph", "Torch-Compiled")),
     ("attention: sdpa", ("scaled_dot_product", "_flash_attention")),
-    ("matmul", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm")),
+    # mkldnn::_linear_pointwise: the linear layers on oneDNN's prepacked weights (packed_linear.py).
+    ("matmul", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm", "mkldnn::_linear")),
     ("kv write / gather", ("index_copy", "index_select", "aten::index")),
     ("norm / rope / silu / elementwise", ("aten::mul", "aten::add", "aten::rsqrt", "aten::pow", "aten::mean",
                                           "aten::silu", "aten::neg", "aten::cat", "aten::to", "aten::copy_",
