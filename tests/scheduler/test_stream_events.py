@@ -25,7 +25,8 @@ def _drain(events: list[StreamEvent], reads: int) -> list[StreamEvent]:
         stream = RequestStream("r", asyncio.Queue(), None, True)
         for e in events:
             stream.queue.put_nowait(e)
-        return [await stream.next_event() for _ in range(reads)]
+        # A bounded wait: an event lost by the merging must fail the test, not hang it.
+        return [await asyncio.wait_for(stream.next_event(), timeout=5) for _ in range(reads)]
 
     return asyncio.run(go())
 
