@@ -455,6 +455,7 @@ class Engine:
         """Detokenize a step's outputs, end the requests a stop string ends, and return the event
         for each stream (the caller delivers them once the next plan is on its way)."""
         now = time.monotonic()
+        interval = self.config.stream_interval
         events = []
         for out in outputs:
             stream = self._streams.get(out.req_id)
@@ -486,7 +487,6 @@ class Engine:
             )
             if stream.unsent is not None:
                 event, stream.unsent = stream.unsent.then(event), None
-            interval = self.config.stream_interval
             if finish_reason is None and stream.sent_tokens and event.completion_tokens - stream.sent_tokens < interval:
                 stream.unsent = event  # --stream-interval: not yet
                 continue

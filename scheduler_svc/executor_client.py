@@ -125,13 +125,11 @@ class ExecutorClient:
 
     @staticmethod
     async def _step_result(call, step_id: int) -> StepResult:
+        # Cancelling this task (a dropped step) cancels the call too: grpc.aio's await does that.
         try:
             resp = await call
         except grpc.aio.AioRpcError as e:
             raise _executor_error(e) from None
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
         result = codec.result_from_proto(resp)
         if result.step_id != step_id:
             raise ExecutorRejected("INTERNAL", f"executor answered step {result.step_id} for plan {step_id}")
