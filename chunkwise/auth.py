@@ -36,7 +36,19 @@ def _unauthenticated_handler(handler: grpc.RpcMethodHandler | None, message: str
     def deny(request, context):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    if handler is not None and handler.response_streaming:
+    return _same_kind(handler, deny)
+
+
+def _same_kind(handler: grpc.RpcMethodHandler | None, deny) -> grpc.RpcMethodHandler:
+    """A handler of the refused method's kind (unary or streaming each way) that runs `deny`: of
+    another kind gRPC would read the call's messages wrongly before refusing it."""
+    requests = handler is not None and handler.request_streaming
+    responses = handler is not None and handler.response_streaming
+    if requests and responses:
+        return grpc.stream_stream_rpc_method_handler(deny)
+    if requests:
+        return grpc.stream_unary_rpc_method_handler(deny)
+    if responses:
         return grpc.unary_stream_rpc_method_handler(deny)
     return grpc.unary_unary_rpc_method_handler(deny)
 
@@ -86,9 +98,7 @@ def _async_unauthenticated_handler(handler, message: str):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - makes this an async generator
 
-    if handler is not None and handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny_stream)
-    return grpc.unary_unary_rpc_method_handler(deny_unary)
+    return _same_kind(handler, deny_stream if handler is not None and handler.response_streaming else deny_unary)
 
 
 def _read(path: str, what: str) -> bytes:

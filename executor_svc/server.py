@@ -1,23 +1,24 @@
 """The executor's gRPC shell: a thin layer that decodes plans and hands them to the ModelRunner.
 
 Steps run one at a time (the runner owns the KV cache and per-request state), in order, on the
-compute loop's thread (compute_loop.py). With async scheduling the scheduler sends step n+1 while
-n runs, so two ExecuteStep calls can be here at once and the thread pool may pick them up in
-either order: a plan that says it follows step n is submitted only after n was, and is refused
-with FAILED_PRECONDITION, just before it would run, if n did not run, so that it never runs on
-top of state n did not leave.
+compute loop's thread (compute_loop.py). The scheduler sends its steps on one StepStream call: a
+reader thread checks each plan as it arrives and queues it for the compute loop, so with async
+scheduling plan n+1 is queued while n runs and the loop goes straight on to it; the handler's
+thread sends each result as its step ends. Whether the step a plan follows ran, and whether the
+plan's epoch is still the current one, is checked on the compute thread just before the plan runs,
+so that it never runs on top of state that step did not leave.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
-import time
 import uuid
 from concurrent import futures
 from concurrent.futures import Future
-from typing import Callable
+from typing import Callable, Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -34,12 +35,10 @@ from executor_svc.engine import ModelRunner, PlanError
 log = logging.getLogger("chunkwise.executor")
 
 MAX_BLOCK_SIZE = 1024
-# How long a plan waits for the step it follows when the call carries no deadline.
-FOLLOW_WAIT_SECONDS = 60.0
 
 
 class StepRefused(Exception):
-    """A plan refused where it was about to run (on the compute thread): the status to answer."""
+    """A plan refused before it ran: the status that ends its stream."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
@@ -48,18 +47,14 @@ class StepRefused(Exception):
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
     """Handlers check a call, then submit its work to the compute loop (compute_loop.py), which runs
-    it on one thread in submission order. A plan that follows step n is submitted only after n was
-    (it waits for that here), so when n is done the loop goes straight on to n+1, with no handler
-    thread to wake in between; whether n ran is checked there, just before n+1 runs."""
+    it on one thread in submission order."""
 
     def __init__(self, runner: ModelRunner, compute: ComputeLoop | None = None):
         self._runner = runner
         # Where the torch work runs (compute_loop.py says why on one thread); inline without one.
         self._compute = compute
-        self._lock = threading.Condition()  # notified whenever a step was submitted or the epoch changed
+        self._handshake = threading.Lock()  # one Initialize at a time
         self._epoch = ""  # empty until the first Initialize; changed on the compute thread
-        # The last step of this epoch submitted to the compute loop (guarded by the lock).
-        self._last_submitted: int | None = None
         # The last step of this epoch that was handled (run or refused), and whether it ran: only
         # read and written by the work on the compute thread.
         self._last_step: int | None = None
@@ -72,17 +67,15 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}], got {bs}",
             )
-        with self._lock:
+        with self._handshake:
             if not context.is_active():
-                # The caller gave up while a long step held the lock (it has retried since):
-                # starting an epoch nobody will use would only invalidate the one it adopts.
+                # The caller gave up while a long step ran (it has retried since): starting an
+                # epoch nobody will use would only invalidate the one it adopts.
                 context.abort(grpc.StatusCode.CANCELLED, "the caller went away before the handshake ran")
             try:
                 num_blocks = self._submit(self._initialize, bs).result()
             except ValueError as e:  # e.g. a block size the attention backend cannot page with
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            self._last_submitted = None
-            self._lock.notify_all()  # plans waiting for a step of the old epoch give up
             log.info("initialized: block_size=%d num_kv_blocks=%d epoch=%s", bs, num_blocks, self._epoch)
             return pb.InitializeResponse(
                 executor_epoch=self._epoch,
@@ -104,30 +97,72 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         # No lock: it must answer while a long step runs, and reading one str is atomic.
         return pb.GetEpochResponse(executor_epoch=self._epoch)
 
-    def ExecuteStep(self, request: pb.StepPlan, context) -> pb.StepResult:
-        with self._lock:
-            self._check_epoch(request, context)
-            if request.HasField("follows_step_id"):
-                self._wait_for_submitted(request.follows_step_id, request, context)
-            plan = codec.plan_from_proto(request)
-            pending = self._submit(self._run_step, request.executor_epoch, plan, context.is_active)
-            self._last_submitted = request.step_id
-            self._lock.notify_all()
+    def StepStream(self, request_iterator, context) -> Iterator[pb.StepResult]:
+        # (step id, future) of each submitted step in submission order, then None when no more will come.
+        submitted: queue.SimpleQueue[tuple[int, Future] | None] = queue.SimpleQueue()
+        reader = threading.Thread(target=self._accept_plans, args=(request_iterator, context, submitted),
+                                  name="executor-plans", daemon=True)
+        reader.start()
+        while (step := submitted.get()) is not None:
+            yield self._answer(*step, context)
+
+    def _accept_plans(self, plans, context, submitted: queue.SimpleQueue) -> None:
+        """The reader thread of one StepStream: queue each plan for the compute loop as it comes,
+        until the stream ends. A plan refused here is refused through the loop too, so that its
+        answer comes after those of the steps before it."""
+        previous: int | None = None
         try:
-            result = pending.result()  # times itself: StepResult.execute_seconds
+            for request in plans:
+                try:
+                    self._check_plan(request, previous)
+                except StepRefused as e:
+                    submitted.put((request.step_id, self._submit(self._refuse, request.step_id, e)))
+                else:
+                    plan = codec.plan_from_proto(request)
+                    submitted.put((plan.step_id,
+                                   self._submit(self._run_step, request.executor_epoch, plan, context.is_active)))
+                previous = request.step_id
+        except Exception as e:  # the call ended (cancelled, the connection dropped)
+            log.debug("step stream ended: %s", e)
+        finally:
+            submitted.put(None)
+
+    def _check_plan(self, request: pb.StepPlan, previous: int | None) -> None:
+        """What can be refused before a plan is queued: a stale epoch, a plan that follows a step
+        this stream did not carry just before it."""
+        if not self._epoch:
+            raise StepRefused(grpc.StatusCode.FAILED_PRECONDITION, "executor not initialized; call Initialize")
+        if request.executor_epoch != self._epoch:
+            raise StepRefused(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"plan is for executor epoch {request.executor_epoch!r}, current is {self._epoch!r}")
+        if request.HasField("follows_step_id") and request.follows_step_id != previous:
+            raise StepRefused(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"step {request.step_id} follows step {request.follows_step_id}, which is not the "
+                              f"step before it on this stream ({previous})")
+
+    def _refuse(self, step_id: int, refusal: StepRefused) -> StepResult:
+        """On the compute thread, in the refused plan's turn: it did not run."""
+        self._last_step, self._last_step_ran = step_id, False
+        raise refusal
+
+    def _answer(self, step_id: int, step: Future, context) -> pb.StepResult:
+        """A step's result once it ran, or why it did not."""
+        try:
+            return codec.result_to_proto(step.result())  # the result times itself (execute_seconds)
         except StepRefused as e:
-            context.abort(e.code, e.message)
+            error = pb.StepError(code=e.code.name, message=e.message)
         except PlanError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
+            error = pb.StepError(code="INVALID_ARGUMENT", message=str(e))
         except Exception as e:
-            if self._runner.tp.size == 1:
-                raise
-            # A collective failed: a rank (on another host) is gone, and the ranks' states
-            # have parted. Fail the step as "executor lost" and exit, to be restarted whole.
-            log.error("step %d: tensor-parallel collective failed (%s); exiting", plan.step_id, e)
-            threading.Timer(0.5, os._exit, (1,)).start()
-            context.abort(grpc.StatusCode.UNAVAILABLE, "a tensor-parallel rank failed; the executor is restarting")
-        return codec.result_to_proto(result)
+            if self._runner.tp.size > 1:
+                # A collective failed: a rank (on another host) is gone, and the ranks' states
+                # have parted. End the stream as "executor lost" and exit, to be restarted whole.
+                log.error("tensor-parallel collective failed (%s); exiting", e)
+                threading.Timer(0.5, os._exit, (1,)).start()
+                context.abort(grpc.StatusCode.UNAVAILABLE, "a tensor-parallel rank failed; the executor is restarting")
+            log.exception("a step failed")
+            error = pb.StepError(code="INTERNAL", message=f"{type(e).__name__}: {e}")
+        return pb.StepResult(step_id=step_id, error=error)
 
     def _run_step(self, epoch: str, plan: StepPlan, caller_active: Callable[[], bool]) -> StepResult:
         """On the compute thread, right after the step submitted before it."""
@@ -140,9 +175,12 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             if follows is not None and (self._last_step != follows or not self._last_step_ran):
                 raise StepRefused(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"step {plan.step_id} follows step {follows}, which did not run")
-            if not caller_active():  # the scheduler timed out on this step and resynchronises
+            if not caller_active():  # the scheduler gave up on the stream (a step timed out, a restart)
                 raise StepRefused(grpc.StatusCode.CANCELLED, "the caller went away before the step ran")
-            result = self._runner.execute(plan)
+            try:
+                result = self._runner.execute(plan)
+            except PlanError as e:
+                raise PlanError(f"step {plan.step_id}: {e}") from None
             ran = True
             return result
         finally:
@@ -158,27 +196,6 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         except Exception as e:
             done.set_exception(e)
         return done
-
-    def _check_epoch(self, request: pb.StepPlan, context) -> None:
-        if not self._epoch:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "executor not initialized; call Initialize")
-        if request.executor_epoch != self._epoch:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"plan is for executor epoch {request.executor_epoch!r}, current is {self._epoch!r}",
-            )
-
-    def _wait_for_submitted(self, follows: int, request: pb.StepPlan, context) -> None:
-        """Hold the lock's condition until step `follows` of this epoch has been submitted."""
-        remaining = context.time_remaining()
-        deadline = time.monotonic() + (FOLLOW_WAIT_SECONDS if remaining is None else remaining)
-        while self._last_submitted is None or self._last_submitted < follows:
-            left = deadline - time.monotonic()
-            if left <= 0 or not context.is_active():
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"step {request.step_id} follows step {follows}, which never arrived")
-            self._lock.wait(min(left, 1.0))
-            self._check_epoch(request, context)  # a new handshake dropped what the plan builds on
 
 
 def build_server(

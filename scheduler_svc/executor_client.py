@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import grpc
 
@@ -54,10 +56,29 @@ _UNAVAILABLE_CODES = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.CANCELLED,
 })
+_UNAVAILABLE_NAMES = frozenset(c.name for c in _UNAVAILABLE_CODES)
+_CALL_REFUSED_CODES = frozenset({
+    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED,
+})
 
 
 def _executor_error(e: grpc.aio.AioRpcError) -> ExecutorError:
     kind = ExecutorUnavailable if e.code() in _UNAVAILABLE_CODES else ExecutorRejected
+    return kind(e.code().name, e.details() or "")
+
+
+def _step_error(code: str, message: str) -> ExecutorError:
+    """A step the executor answered as not run (StepResult.error)."""
+    kind = ExecutorUnavailable if code in _UNAVAILABLE_NAMES else ExecutorRejected
+    return kind(code, message)
+
+
+def _stream_error(e: grpc.aio.AioRpcError) -> ExecutorError:
+    """The step stream itself ended. The executor answers a step it refuses in the stream, so an
+    ending is a lost connection, a cancel or a deadline, whatever the code says: grpc.aio reports a
+    write that raced the end of the call as INTERNAL ("Internal error from Core") in place of the
+    call's real status. Only a refused call (wrong token, an executor without StepStream) is not."""
+    kind = ExecutorRejected if e.code() in _CALL_REFUSED_CODES else ExecutorUnavailable
     return kind(e.code().name, e.details() or "")
 
 
@@ -80,9 +101,12 @@ class ExecutorClient:
         else:
             self._channel = grpc.aio.insecure_channel(address, options=options)
         self._stub = pb_grpc.ExecutorStub(self._channel)
+        self._steps: _StepStream | None = None  # the open StepStream call, if any
 
     async def initialize(self, block_size: int, timeout: float) -> ExecutorInfo:
-        """Handshake, retrying while the executor is unreachable (it may still be loading)."""
+        """Handshake, retrying while the executor is unreachable (it may still be loading). A new
+        epoch ends whatever was sent before it, so the step stream is closed first."""
+        self._drop_steps()
         deadline = time.monotonic() + timeout
         delay = 0.05
         while True:
@@ -110,30 +134,114 @@ class ExecutorClient:
             raise _executor_error(e) from None
         return resp.executor_epoch
 
-    def execute(self, plan: StepPlan, epoch: str, timeout: float | None = None) -> asyncio.Task[StepResult]:
-        """Encode the plan and start the call now; the task gives its result.
+    def execute(self, plan: StepPlan, epoch: str, timeout: float | None = None) -> asyncio.Future[StepResult]:
+        """Send the plan on the step stream (opened if none is); the future gives its result.
 
-        Starting the call here, not in the task, puts it ahead of whatever the caller wakes next:
-        grpc.aio sends a unary call from a task of its own, which runs on the event loop's next
-        turn, so a caller that yields once after this knows the plan is on its way.
+        The plan is queued for the stream's writer, which sends it on the event loop's next turn:
+        a caller that yields once after this knows the plan is on its way. `timeout` (default the
+        client's step_timeout) bounds the wait for this step's result; when it passes, the stream
+        is cancelled and every step on it fails with DEADLINE_EXCEEDED. Cancelling the future
+        cancels the stream too: every step behind it builds on it.
         """
-        msg = codec.plan_to_proto(plan, epoch)
-        call = self._stub.ExecuteStep(
-            msg, metadata=self._metadata, timeout=timeout if timeout is not None else self.step_timeout
-        )
-        return asyncio.ensure_future(self._step_result(call, plan.step_id))
+        if self._steps is None or self._steps.closed:
+            self._steps = _StepStream(self._stub, self._metadata)
+        return self._steps.send(codec.plan_to_proto(plan, epoch), plan.step_id,
+                                timeout if timeout is not None else self.step_timeout)
 
-    @staticmethod
-    async def _step_result(call, step_id: int) -> StepResult:
-        # Cancelling this task (a dropped step) cancels the call too: grpc.aio's await does that.
-        try:
-            resp = await call
-        except grpc.aio.AioRpcError as e:
-            raise _executor_error(e) from None
-        result = codec.result_from_proto(resp)
-        if result.step_id != step_id:
-            raise ExecutorRejected("INTERNAL", f"executor answered step {result.step_id} for plan {step_id}")
-        return result
+    def _drop_steps(self) -> None:
+        if self._steps is not None:
+            self._steps.close(ExecutorUnavailable("CANCELLED", "the step stream was closed"))
+            self._steps = None
 
     async def close(self) -> None:
+        self._drop_steps()
         await self._channel.close()
+
+
+@dataclass(slots=True)
+class _Waiting:
+    step_id: int
+    result: asyncio.Future[StepResult]
+    deadline: asyncio.TimerHandle | None
+
+
+class _StepStream:
+    """One StepStream call: plans go out in the order they are sent, and each answer that comes
+    back settles the oldest step still waiting (the executor answers in order). A step the
+    executor did not run fails with its StepError (the steps behind it are answered as not run in
+    turn). When the call ends, the oldest waiting step fails with the reason and those behind it as
+    not run; the next step opens a new call."""
+
+    def __init__(self, stub: pb_grpc.ExecutorStub, metadata) -> None:
+        self.closed = False
+        self._plans: asyncio.Queue[pb.StepPlan | None] = asyncio.Queue()
+        self._waiting: deque[_Waiting] = deque()
+        self._call = stub.StepStream(self._outgoing(), metadata=metadata)
+        self._reader = asyncio.ensure_future(self._read())
+
+    def send(self, msg: pb.StepPlan, step_id: int, timeout: float | None) -> asyncio.Future[StepResult]:
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[StepResult] = loop.create_future()
+        waiting = _Waiting(step_id, result, None)
+        if timeout is not None:
+            waiting.deadline = loop.call_later(timeout, self._expire, waiting, timeout)
+        result.add_done_callback(self._on_done)
+        self._waiting.append(waiting)
+        self._plans.put_nowait(msg)
+        return result
+
+    async def _outgoing(self):
+        """The request iterator grpc.aio writes from (in a task of its own)."""
+        while (msg := await self._plans.get()) is not None:
+            yield msg
+
+    async def _read(self) -> None:
+        error: ExecutorError = ExecutorUnavailable("UNAVAILABLE", "the executor ended the step stream")
+        try:
+            async for resp in self._call:
+                if not self._waiting:
+                    error = ExecutorRejected("INTERNAL", f"executor answered step {resp.step_id}, which was not sent")
+                    break
+                waiting = self._waiting.popleft()
+                if waiting.deadline is not None:
+                    waiting.deadline.cancel()
+                if resp.step_id != waiting.step_id:
+                    self._waiting.appendleft(waiting)
+                    error = ExecutorRejected("INTERNAL", f"executor answered step {resp.step_id} for plan {waiting.step_id}")
+                    break
+                if waiting.result.done():  # cancelled: the stream is being closed
+                    continue
+                if resp.HasField("error"):
+                    waiting.result.set_exception(_step_error(resp.error.code, resp.error.message))
+                else:
+                    waiting.result.set_result(codec.result_from_proto(resp))
+        except grpc.aio.AioRpcError as e:
+            error = _stream_error(e)
+        except asyncio.CancelledError:
+            pass
+        self.close(error)
+
+    def _expire(self, waiting: _Waiting, timeout: float) -> None:
+        if not waiting.result.done():
+            self.close(ExecutorUnavailable("DEADLINE_EXCEEDED", f"step {waiting.step_id} took longer than {timeout:g} s"))
+
+    def _on_done(self, result: asyncio.Future) -> None:
+        if result.cancelled():  # the caller dropped a step: the steps behind it build on it
+            self.close(ExecutorUnavailable("CANCELLED", "a step on the stream was cancelled"))
+
+    def close(self, error: ExecutorError) -> None:
+        """End the stream: `error` for the oldest waiting step, "did not run" for those behind it."""
+        if self.closed:
+            return
+        self.closed = True
+        self._call.cancel()
+        self._plans.put_nowait(None)
+        first = True
+        while self._waiting:
+            waiting = self._waiting.popleft()
+            if waiting.deadline is not None:
+                waiting.deadline.cancel()
+            if not waiting.result.done():
+                waiting.result.set_exception(error if first else ExecutorUnavailable(
+                    "FAILED_PRECONDITION", f"step {waiting.step_id} was behind a failed step ({error.code})"))
+            first = False

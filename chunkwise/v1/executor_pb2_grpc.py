@@ -39,8 +39,8 @@ class ExecutorStub:
                 request_serializer=chunkwise_dot_v1_dot_executor__pb2.InitializeRequest.SerializeToString,
                 response_deserializer=chunkwise_dot_v1_dot_executor__pb2.InitializeResponse.FromString,
                 _registered_method=True)
-        self.ExecuteStep = channel.unary_unary(
-                '/chunkwise.v1.Executor/ExecuteStep',
+        self.StepStream = channel.stream_stream(
+                '/chunkwise.v1.Executor/StepStream',
                 request_serializer=chunkwise_dot_v1_dot_executor__pb2.StepPlan.SerializeToString,
                 response_deserializer=chunkwise_dot_v1_dot_executor__pb2.StepResult.FromString,
                 _registered_method=True)
@@ -63,11 +63,14 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ExecuteStep(self, request, context):
-        """Runs one step. Fails with FAILED_PRECONDITION when the epoch is not the current one (or the
-        step a plan follows did not run) and with INVALID_ARGUMENT when the plan is inconsistent (the
-        executor's state is then unchanged). Steps run one at a time, in order: a plan that follows
-        another (async scheduling sends step n+1 while n runs) waits for it.
+    def StepStream(self, request_iterator, context):
+        """Runs the scheduler's steps, in order, on one call: plans in, one result per plan out in the
+        same order. One call for many steps because a unary call per step costs about twice the CPU of
+        a message each way on an open stream (bench/RESULTS.md section 4), and a step of a fast
+        executor is a few ms. With async scheduling plan n+1 arrives while n runs and runs right
+        after it. A step that cannot run is answered with StepResult.error, and the stream goes on (a
+        plan that follows that step is refused in turn). The call itself ends only when the scheduler
+        closes or cancels it, or the connection is lost; a step not yet started by then does not run.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,8 +93,8 @@ def add_ExecutorServicer_to_server(servicer, server):
                     request_deserializer=chunkwise_dot_v1_dot_executor__pb2.InitializeRequest.FromString,
                     response_serializer=chunkwise_dot_v1_dot_executor__pb2.InitializeResponse.SerializeToString,
             ),
-            'ExecuteStep': grpc.unary_unary_rpc_method_handler(
-                    servicer.ExecuteStep,
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
                     request_deserializer=chunkwise_dot_v1_dot_executor__pb2.StepPlan.FromString,
                     response_serializer=chunkwise_dot_v1_dot_executor__pb2.StepResult.SerializeToString,
             ),
@@ -139,7 +142,7 @@ class Executor:
             _registered_method=True)
 
     @staticmethod
-    def ExecuteStep(request,
+    def StepStream(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -149,10 +152,10 @@ class Executor:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/chunkwise.v1.Executor/ExecuteStep',
+            '/chunkwise.v1.Executor/StepStream',
             chunkwise_dot_v1_dot_executor__pb2.StepPlan.SerializeToString,
             chunkwise_dot_v1_dot_executor__pb2.StepResult.FromString,
             options,

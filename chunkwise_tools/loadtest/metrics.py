@@ -169,8 +169,8 @@ def step_overhead(before: dict | None, after: dict | None, duration: float) -> d
     executor_idle_fraction = 1 - executor compute / duration: the share of the run in which the
     executor was not computing (between steps: scheduling, plan/result encoding, gRPC, streaming
     to clients). It is overhead only while requests are queued, so measure it saturated.
-    rpc_fraction is the part of the idle time spent inside the ExecuteStep call (transport and
-    (de)serialisation on both sides).
+    rpc_fraction is the part of the idle time spent inside the step's round trip on the
+    StepStream call (transport and (de)serialisation on both sides).
     """
     keys = ("steps", "step_seconds", "executor_seconds")
     if not before or not after or any(before.get(k) is None or after.get(k) is None for k in keys):

@@ -4,12 +4,15 @@ incremental StepPlans the way the real scheduler does."""
 
 from __future__ import annotations
 
+import queue
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from chunkwise import codec
+from chunkwise.auth import bearer_metadata
 from chunkwise.plan import (
     GREEDY,
     NewRequestData,
@@ -189,3 +192,46 @@ def blind_decode(step: int, position: int) -> StepPlan:
     (async scheduling: the scheduler has not seen it yet)."""
     return StepPlan(step, follows_step_id=step - 1, running=[RunningRequestDelta("a", [], [], append_sampled=True)],
                     chunks=[ScheduledChunk("a", position, 1, position, True)])
+
+
+class StepNotRun(Exception):
+    """The executor answered a step with StepResult.error."""
+
+    def __init__(self, step_id: int, code: str, message: str):
+        super().__init__(f"step {step_id}: {code}: {message}")
+        self.step_id, self.code, self.message = step_id, code, message
+
+
+class StepStreamCall:
+    """One StepStream call driven from a test: `send` queues a plan, `result` waits for the next
+    answer (StepNotRun for a step answered with an error; a grpc.RpcError once the call ended),
+    `step` does both."""
+
+    def __init__(self, stub, epoch: str, token: str, timeout: float = 60):
+        self.epoch = epoch
+        self._plans: queue.SimpleQueue = queue.SimpleQueue()
+        self._responses = stub.StepStream(iter(self._plans.get, None), metadata=bearer_metadata(token),
+                                          timeout=timeout)
+
+    def send(self, plan: StepPlan, epoch: str | None = None) -> None:
+        self._plans.put(codec.plan_to_proto(plan, epoch if epoch is not None else self.epoch))
+
+    def result(self) -> StepResult:
+        msg = next(self._responses)
+        if msg.HasField("error"):
+            raise StepNotRun(msg.step_id, msg.error.code, msg.error.message)
+        return codec.result_from_proto(msg)
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.send(plan)
+        return self.result()
+
+    def cancel(self) -> None:
+        self._responses.cancel()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._plans.put(None)
+        self.cancel()

@@ -10,7 +10,6 @@ import time
 import grpc
 import pytest
 
-from chunkwise import codec
 from chunkwise.auth import bearer_metadata
 from chunkwise.plan import ScheduledChunk, StepPlan
 from chunkwise.v1 import executor_pb2 as pb
@@ -19,7 +18,7 @@ from executor_svc.compute_loop import ComputeLoop, ComputeLoopClosed
 from executor_svc.server import build_server
 
 from .helpers import ServedComputeLoop as Served
-from .helpers import blind_decode, make_runner, prefill
+from .helpers import StepNotRun, StepStreamCall, blind_decode, make_runner, prefill
 
 TOKEN = "compute-loop-test-token"
 
@@ -95,21 +94,16 @@ def test_a_stopped_loop_refuses_work_and_fails_what_was_queued():
 @contextlib.contextmanager
 def served_executor(runner):
     """The gRPC server over `runner` with its work on a served compute loop, initialized; yields
-    the loop and `step(plan, timeout)`, which returns the decoded result."""
+    the loop, the stub and the epoch."""
     with Served() as served:
         server, port = build_server(runner, "127.0.0.1", 0, TOKEN, compute=served.loop)
         server.start()
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         stub = pb_grpc.ExecutorStub(channel)
-        md = bearer_metadata(TOKEN)
         try:
-            epoch = stub.Initialize(pb.InitializeRequest(block_size=8), metadata=md, timeout=30).executor_epoch
-
-            def step(plan, timeout=30):
-                return codec.result_from_proto(stub.ExecuteStep(codec.plan_to_proto(plan, epoch), metadata=md,
-                                                                timeout=timeout))
-
-            yield served, step
+            epoch = stub.Initialize(pb.InitializeRequest(block_size=8), metadata=bearer_metadata(TOKEN),
+                                    timeout=30).executor_epoch
+            yield served, stub, epoch
         finally:
             channel.close()
             server.stop(None)
@@ -126,27 +120,24 @@ def test_the_server_runs_the_handshake_and_every_step_on_the_loop_thread(tiny_ll
             return _method(*args)
 
         setattr(runner, name, recorded)
-    with served_executor(runner) as (served, step):
-        step(prefill(1))
-        # Two plans in flight at once (async scheduling), the later one sent first.
-        later = {}
-        sender = threading.Thread(target=lambda: later.setdefault("r", step(blind_decode(3, 11))))
-        sender.start()
-        step(blind_decode(2, 10))
-        sender.join(30)
-        assert len(later["r"].sampled) == 1
-        # A plan the runner refuses is still an INVALID_ARGUMENT, raised on the loop's thread.
-        with pytest.raises(grpc.RpcError) as e:
-            step(StepPlan(4, chunks=[ScheduledChunk("zz", 0, 1, 0, True)]))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with served_executor(runner) as (served, stub, epoch):
+        with StepStreamCall(stub, epoch, TOKEN) as steps:
+            steps.step(prefill(1))
+            steps.send(blind_decode(2, 10))  # two plans in flight at once (async scheduling)
+            steps.send(blind_decode(3, 11))
+            assert len(steps.result().sampled) == len(steps.result().sampled) == 1
+            # A plan the runner refuses is still an INVALID_ARGUMENT, raised on the loop's thread.
+            with pytest.raises(StepNotRun) as e:
+                steps.step(StepPlan(4, chunks=[ScheduledChunk("zz", 0, 1, 0, True)]))
+            assert e.value.code == "INVALID_ARGUMENT"
     assert threads["initialize"] == {served.thread.ident}
     assert threads["execute"] == {served.thread.ident}
 
 
 def test_a_plan_whose_caller_gave_up_while_queued_is_not_run(tiny_llama_path):
-    """The scheduler's deadline on a step passes while the step before it runs: the queued plan
-    is dropped where it would run (the scheduler resynchronises with a new handshake), and a plan
-    that follows it is refused as following a step that did not run."""
+    """The scheduler gives up on a step while the step before it runs (its deadline passed) and
+    cancels the stream: the plan queued behind is dropped where it would run (the scheduler
+    resynchronises with a new handshake), and a new stream cannot build on it."""
     runner = make_runner(tiny_llama_path, block_size=8, num_kv_blocks=16)
     executed = []
     execute = runner.execute
@@ -158,17 +149,19 @@ def test_a_plan_whose_caller_gave_up_while_queued_is_not_run(tiny_llama_path):
         return execute(plan)
 
     runner.execute = slow_first_decode
-    with served_executor(runner) as (_, step):
-        step(prefill(1))
-        slow = threading.Thread(target=step, args=(blind_decode(2, 10),))
-        slow.start()
-        time.sleep(0.2)  # step 2 is running (1 s)
-        with pytest.raises(grpc.RpcError) as e:
-            step(blind_decode(3, 11), timeout=0.3)  # queued behind it; its caller gives up
-        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        slow.join(10)
-        with pytest.raises(grpc.RpcError) as e:
-            step(blind_decode(4, 12))
-        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "follows step 3, which did not run" in e.value.details()
+    with served_executor(runner) as (_, stub, epoch):
+        with StepStreamCall(stub, epoch, TOKEN) as steps:
+            steps.step(prefill(1))
+            steps.send(blind_decode(2, 10))
+            steps.send(blind_decode(3, 11))
+            time.sleep(0.2)  # step 2 is running (1 s), step 3 is queued behind it
+            steps.cancel()
+            with pytest.raises(grpc.RpcError) as e:
+                steps.result()
+            assert e.value.code() == grpc.StatusCode.CANCELLED
+        time.sleep(1.2)  # step 2 ends; step 3 would run now
+        with StepStreamCall(stub, epoch, TOKEN) as steps:
+            with pytest.raises(StepNotRun) as e:
+                steps.step(blind_decode(4, 12))
+            assert e.value.code == "FAILED_PRECONDITION"
     assert executed == [1, 2]

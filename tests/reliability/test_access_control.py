@@ -52,8 +52,8 @@ def test_executor_refuses_calls_without_the_token(shared):
         assert call_code(lambda: stub.Initialize(pb.InitializeRequest(block_size=16), timeout=10)) == UNAUTHENTICATED
         assert call_code(lambda: stub.Initialize(pb.InitializeRequest(block_size=16), timeout=10,
                                                  metadata=bearer_metadata("wrong"))) == UNAUTHENTICATED
-        assert call_code(lambda: stub.ExecuteStep(pb.StepPlan(step_id=1), timeout=10,
-                                                  metadata=(("authorization", shared.token),))) == UNAUTHENTICATED
+        assert call_code(lambda: next(stub.StepStream(iter([pb.StepPlan(step_id=1)]), timeout=10,
+                                                  metadata=(("authorization", shared.token),)))) == UNAUTHENTICATED
     # Health checks stay open for orchestrators.
     assert health(shared.executor_address, "chunkwise.v1.Executor") == "SERVING"
     with shared.client(timeout=60) as c:  # and the real scheduler was not disturbed

@@ -1,0 +1,184 @@
+"""ExecutorClient's step stream against a real executor server (tiny model, loopback): results
+come back matched to their plans, and every failure (a refused plan, a step past its deadline, a
+dropped step, a restarted executor) fails that step as the engine expects, fails every step behind
+it without running it, and leaves a client that opens a new stream after the next handshake."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+
+from chunkwise.plan import ScheduledChunk, StepPlan
+from executor_svc.server import build_server
+from scheduler_svc.executor_client import ExecutorClient, ExecutorRejected, ExecutorUnavailable
+
+from .helpers import ServedComputeLoop, blind_decode, make_runner, prefill
+
+TOKEN = "executor-client-test-token"
+
+
+@contextlib.contextmanager
+def served(tiny_llama_path, slow_steps: dict[int, float] | None = None):
+    """A served executor; yields its address and the list of step ids its runner executed."""
+    runner = make_runner(tiny_llama_path, block_size=8, num_kv_blocks=16)
+    execute, executed = runner.execute, []
+
+    def recorded(plan):
+        executed.append(plan.step_id)
+        time.sleep((slow_steps or {}).get(plan.step_id, 0.0))
+        return execute(plan)
+
+    runner.execute = recorded
+    with ServedComputeLoop() as loop:
+        server, port = build_server(runner, "127.0.0.1", 0, TOKEN, compute=loop.loop)
+        server.start()
+        try:
+            yield f"127.0.0.1:{port}", executed
+        finally:
+            server.stop(None)
+
+
+async def settle(*steps):
+    """Each step's result or exception."""
+    return await asyncio.gather(*steps, return_exceptions=True)
+
+
+def test_pipelined_steps_are_answered_in_order(tiny_llama_path):
+    async def run(address):
+        client = ExecutorClient(address, TOKEN, step_timeout=30)
+        try:
+            info = await client.initialize(8, timeout=30)
+            results = await settle(*(client.execute(p, info.epoch)
+                                     for p in (prefill(1), blind_decode(2, 10), blind_decode(3, 11))))
+            return [r.step_id for r in results]
+        finally:
+            await client.close()
+
+    with served(tiny_llama_path) as (address, executed):
+        assert asyncio.run(run(address)) == [1, 2, 3]
+        assert executed == [1, 2, 3]
+
+
+def test_a_refused_plan_fails_as_rejected_and_the_step_behind_it_never_runs(tiny_llama_path):
+    async def run(address):
+        client = ExecutorClient(address, TOKEN, step_timeout=30)
+        try:
+            info = await client.initialize(8, timeout=30)
+            first, bad, behind = await settle(
+                client.execute(prefill(1), info.epoch),
+                client.execute(StepPlan(2, follows_step_id=1, chunks=[ScheduledChunk("zz", 0, 1, 0, True)]), info.epoch),
+                client.execute(blind_decode(3, 10), info.epoch),
+            )
+            # The engine's way back: a new handshake, then the next step on a new stream.
+            info = await client.initialize(8, timeout=30)
+            again = await client.execute(prefill(4), info.epoch)
+            return first, bad, behind, again
+        finally:
+            await client.close()
+
+    with served(tiny_llama_path) as (address, executed):
+        first, bad, behind, again = asyncio.run(run(address))
+        assert first.step_id == 1 and again.step_id == 4
+        assert isinstance(bad, ExecutorRejected) and bad.code == "INVALID_ARGUMENT" and "step 2" in bad.detail
+        assert isinstance(behind, ExecutorUnavailable) and "follows step 2, which did not run" in behind.detail
+        assert executed == [1, 2, 4]  # step 2 was tried (and refused), 3 never
+
+
+def test_a_step_past_its_deadline_fails_it_and_the_steps_behind_it(tiny_llama_path):
+    async def run(address):
+        client = ExecutorClient(address, TOKEN, step_timeout=0.5)
+        try:
+            info = await client.initialize(8, timeout=30)
+            await client.execute(prefill(1), info.epoch)
+            started = time.monotonic()
+            slow, behind = await settle(client.execute(blind_decode(2, 10), info.epoch),
+                                        client.execute(blind_decode(3, 11), info.epoch, timeout=30))
+            waited = time.monotonic() - started
+            await asyncio.sleep(2.0)  # step 2 ends at the executor; step 3 would run now
+            return slow, behind, waited
+        finally:
+            await client.close()
+
+    with served(tiny_llama_path, slow_steps={2: 1.5}) as (address, executed):
+        slow, behind, waited = asyncio.run(run(address))
+        assert isinstance(slow, ExecutorUnavailable) and slow.code == "DEADLINE_EXCEEDED"
+        assert isinstance(behind, ExecutorUnavailable)
+        assert waited < 1.4  # by the deadline, not when the step ended
+        assert executed == [1, 2]  # the stream was cancelled: step 3 was dropped where it would run
+
+
+def test_cancelling_a_step_cancels_the_steps_behind_it(tiny_llama_path):
+    async def run(address):
+        client = ExecutorClient(address, TOKEN, step_timeout=30)
+        try:
+            info = await client.initialize(8, timeout=30)
+            await client.execute(prefill(1), info.epoch)
+            dropped = client.execute(blind_decode(2, 10), info.epoch)
+            behind = client.execute(blind_decode(3, 11), info.epoch)
+            await asyncio.sleep(0.2)  # step 2 runs (1 s), 3 is queued
+            dropped.cancel()  # what the engine's _drop_sent does
+            (outcome,) = await settle(behind)
+            await asyncio.sleep(1.5)
+            return outcome
+        finally:
+            await client.close()
+
+    with served(tiny_llama_path, slow_steps={2: 1.0}) as (address, executed):
+        outcome = asyncio.run(run(address))
+        assert isinstance(outcome, ExecutorUnavailable)
+        assert executed == [1, 2]
+
+
+def test_a_lost_executor_fails_the_waiting_steps_as_unavailable(tiny_llama_path):
+    async def run(address, stop):
+        client = ExecutorClient(address, TOKEN, step_timeout=30)
+        try:
+            info = await client.initialize(8, timeout=30)
+            await client.execute(prefill(1), info.epoch)
+            waiting = client.execute(blind_decode(2, 10), info.epoch)
+            await asyncio.sleep(0.2)
+            stop()  # the server goes away while step 2 runs
+            (outcome,) = await settle(waiting)
+            return outcome
+        finally:
+            await client.close()
+
+    runner = make_runner(tiny_llama_path, block_size=8, num_kv_blocks=16)
+    execute = runner.execute
+    runner.execute = lambda plan: (time.sleep(1.0 if plan.step_id == 2 else 0.0), execute(plan))[1]
+    with ServedComputeLoop() as loop:
+        server, port = build_server(runner, "127.0.0.1", 0, TOKEN, compute=loop.loop)
+        server.start()
+        try:
+            outcome = asyncio.run(run(f"127.0.0.1:{port}", lambda: server.stop(None)))
+        finally:
+            server.stop(None)
+    assert isinstance(outcome, ExecutorUnavailable), outcome
+
+
+@pytest.mark.parametrize("wrong", ["", "wrong-token"])
+def test_a_stream_without_the_token_is_refused(tiny_llama_path, wrong):
+    async def run(address):
+        client = ExecutorClient(address, TOKEN, step_timeout=30)
+        try:
+            info = await client.initialize(8, timeout=30)
+        finally:
+            await client.close()
+        intruder = ExecutorClient(address, wrong or "x", step_timeout=30)
+        if not wrong:
+            intruder._metadata = ()
+        try:
+            (outcome,) = await settle(intruder.execute(prefill(1), info.epoch))
+            return outcome
+        finally:
+            await intruder.close()
+
+    with served(tiny_llama_path) as (address, executed):
+        outcome = asyncio.run(run(address))
+        # UNAUTHENTICATED, or INTERNAL when grpc.aio's first write raced the refusal (see
+        # _stream_error); test_access_control checks the code itself with a sync client.
+        assert outcome.code in ("UNAUTHENTICATED", "INTERNAL"), outcome
+        assert executed == []
