@@ -12,6 +12,8 @@ What is measured, from the scheduler's Prometheus endpoint (no instrumentation o
   (chunkwise:executor_step_duration_seconds_sum);
 - a step's round trip on the StepStream call as the scheduler sees it (chunkwise:step_duration_seconds_sum): compute
   plus plan/result (de)serialisation on both sides and the loopback transport;
+- the scheduler process's CPU time (user + system, from /proc) per step: what the scheduler's
+  side of a step costs, whatever else shares the cores;
 - the run's wall time, first send to last completion, with every request submitted at once so the
   scheduler always has work (closed loop, all in flight).
 idle = wall - compute: scheduling, the RPC's own cost, detokenising and streaming to clients,
@@ -100,6 +102,8 @@ async def run(ns) -> dict:
                                "loadavg_1m": os.getloadavg()[0], **ov}
                         if ov.get("steps"):
                             row["rpc_ms_per_step"] = 1000.0 * (ov["step_rpc_seconds"] - ov["executor_seconds"]) / ov["steps"]
+                            if ov.get("scheduler_cpu_seconds") is not None:
+                                row["scheduler_cpu_ms_per_step"] = 1000.0 * ov["scheduler_cpu_seconds"] / ov["steps"]
                         rows.append(row)
                         print(f"{model_name:13s} {w:14s} {mode:5s} r{rnd}: {res['duration_s']:6.1f} s, "
                               f"{ov.get('steps', 0):5.0f} steps, executor {ov.get('executor_ms_per_step', 0):7.2f} ms/step, "
@@ -112,7 +116,8 @@ async def run(ns) -> dict:
     for r in rows:
         entry = summary.setdefault(f"{r['model']}/{r['workload']}", {}).setdefault(r["mode"], {})
         for f in ("executor_idle_fraction", "rpc_fraction", "idle_ms_per_step", "executor_ms_per_step",
-                  "rpc_ms_per_step", "executor_cpu_utilization", "output_throughput", "duration_s"):
+                  "rpc_ms_per_step", "scheduler_cpu_ms_per_step", "executor_cpu_utilization", "output_throughput",
+                  "duration_s"):
             entry.setdefault(f, []).append(r.get(f))
     summary = {k: {m: {f: lt.spread(v) for f, v in d.items()} for m, d in modes.items()} for k, modes in summary.items()}
     for key in summary:
@@ -191,7 +196,7 @@ def main(argv=None) -> int:
     result = asyncio.run(run(ns))
     print()
     print(f"{'model/workload':30s} {'mode':5s} {'idle frac (med, min-max)':>26s} {'idle ms/step':>13s} "
-          f"{'rpc ms/step':>12s} {'exec ms/step':>13s} {'tok/s':>8s}")
+          f"{'rpc ms/step':>12s} {'exec ms/step':>13s} {'sched CPU ms/step':>18s} {'tok/s':>8s}")
     for k, s in result["summary"].items():
         for mode in MODES:
             if mode not in s:
@@ -200,7 +205,8 @@ def main(argv=None) -> int:
             f = m["executor_idle_fraction"]
             print(f"{k:30s} {mode:5s} {f['median']:>10.1%} ({f['min']:.1%}-{f['max']:.1%}) "
                   f"{m['idle_ms_per_step']['median']:>13.2f} {m['rpc_ms_per_step']['median']:>12.2f} "
-                  f"{m['executor_ms_per_step']['median']:>13.2f} {m['output_throughput']['median']:>8.1f}")
+                  f"{m['executor_ms_per_step']['median']:>13.2f} {m['scheduler_cpu_ms_per_step']['median'] or float('nan'):>18.2f} "
+                  f"{m['output_throughput']['median']:>8.1f}")
         r = s["throughput_ratio_async_over_sync"]
         print(f"{'':30s} async/sync throughput {r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})")
     print("codec, us per step (encode + decode):",

@@ -1,5 +1,10 @@
 """The scheduler's side of the internal Executor API (grpc.aio, so awaiting a step never blocks
-the event loop that serves clients)."""
+the event loop that serves clients).
+
+Steps travel on one StepStream call (`_StepStream`), opened with the first step after a handshake
+and kept until something fails: on loopback a unary call per step cost ~0.5 ms of CPU across both
+processes, a message each way on an open stream ~0.25 ms, and a fast executor's step is a few ms.
+To the engine each step is still one future that gives its result or an ExecutorError."""
 
 from __future__ import annotations
 
