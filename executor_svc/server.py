@@ -11,6 +11,7 @@ so that it never runs on top of state that step did not leave.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -35,6 +36,10 @@ from executor_svc.engine import ModelRunner, PlanError
 log = logging.getLogger("chunkwise.executor")
 
 MAX_BLOCK_SIZE = 1024
+
+
+def _put_done(finished: queue.SimpleQueue, step_id: int, done: Future) -> None:
+    finished.put((step_id, done))
 
 
 class StepRefused(Exception):
@@ -98,15 +103,17 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         return pb.GetEpochResponse(executor_epoch=self._epoch)
 
     def StepStream(self, request_iterator, context) -> Iterator[pb.StepResult]:
-        # (step id, future) of each submitted step in submission order, then None when no more will come.
-        submitted: queue.SimpleQueue[tuple[int, Future] | None] = queue.SimpleQueue()
-        reader = threading.Thread(target=self._accept_plans, args=(request_iterator, context, submitted),
+        # (step id, future) of each step once it is done, in submission order (the compute loop
+        # finishes work in that order), then None when no more will come. Queued by the future's
+        # callback on the compute thread, so this thread wakes once per step, when it can answer.
+        finished: queue.SimpleQueue[tuple[int, Future] | None] = queue.SimpleQueue()
+        reader = threading.Thread(target=self._accept_plans, args=(request_iterator, context, finished),
                                   name="executor-plans", daemon=True)
         reader.start()
-        while (step := submitted.get()) is not None:
+        while (step := finished.get()) is not None:
             yield self._answer(*step, context)
 
-    def _accept_plans(self, plans, context, submitted: queue.SimpleQueue) -> None:
+    def _accept_plans(self, plans, context, finished: queue.SimpleQueue) -> None:
         """The reader thread of one StepStream: queue each plan for the compute loop as it comes,
         until the stream ends. A plan refused here is refused through the loop too, so that its
         answer comes after those of the steps before it."""
@@ -116,16 +123,16 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 try:
                     self._check_plan(request, previous)
                 except StepRefused as e:
-                    submitted.put((request.step_id, self._submit(self._refuse, request.step_id, e)))
+                    step = self._submit(self._refuse, request.step_id, e)
                 else:
                     plan = codec.plan_from_proto(request)
-                    submitted.put((plan.step_id,
-                                   self._submit(self._run_step, request.executor_epoch, plan, context.is_active)))
+                    step = self._submit(self._run_step, request.executor_epoch, plan, context.is_active)
+                step.add_done_callback(functools.partial(_put_done, finished, request.step_id))
                 previous = request.step_id
         except Exception as e:  # the call ended (cancelled, the connection dropped)
             log.debug("step stream ended: %s", e)
-        finally:
-            submitted.put(None)
+        finally:  # after every step queued before it
+            self._submit(lambda: None).add_done_callback(lambda _: finished.put(None))
 
     def _check_plan(self, request: pb.StepPlan, previous: int | None) -> None:
         """What can be refused before a plan is queued: a stale epoch, a plan that follows a step
