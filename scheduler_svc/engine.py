@@ -80,7 +80,7 @@ class StreamEvent:
 @dataclass
 class _SentStep:
     plan: StepPlan
-    call: asyncio.Task[StepResult]
+    call: asyncio.Future[StepResult]  # ExecutorClient.execute: its result, or an ExecutorError
     sent_at: float  # time.perf_counter() when sent
 
 

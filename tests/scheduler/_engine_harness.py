@@ -27,7 +27,7 @@ class AnsweringExecutor:
         self.fake: FakeExecutor | None = None
         self.sent: list[int] = []
 
-    def execute(self, plan: StepPlan, epoch: str, timeout: float | None = None) -> asyncio.Task[StepResult]:
+    def execute(self, plan: StepPlan, epoch: str, timeout: float | None = None) -> asyncio.Future[StepResult]:
         self.sent.append(plan.step_id)
 
         async def answer() -> StepResult:
