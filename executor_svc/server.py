@@ -43,7 +43,7 @@ def _put_done(finished: queue.SimpleQueue, step_id: int, done: Future) -> None:
 
 
 class StepRefused(Exception):
-    """A plan refused before it ran: the status that ends its stream."""
+    """A plan refused before it ran: the code and message of its StepError."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)

@@ -182,3 +182,42 @@ def test_a_stream_without_the_token_is_refused(tiny_llama_path, wrong):
         # _stream_error); test_access_control checks the code itself with a sync client.
         assert outcome.code in ("UNAUTHENTICATED", "INTERNAL"), outcome
         assert executed == []
+
+
+def test_a_step_the_runner_fails_is_internal_and_the_stream_serves_on(tiny_llama_path):
+    """An exception in the runner (our bug) answers that step as INTERNAL, which the engine treats
+    as rejected (its requests fail); the executor keeps serving: a step behind it that builds on it
+    is refused as not run, and the next independent step runs on the same stream."""
+    async def run(address):
+        client = ExecutorClient(address, TOKEN, step_timeout=30)
+        try:
+            info = await client.initialize(8, timeout=30)
+            first, broken, behind = await settle(client.execute(prefill(1), info.epoch),
+                                                 client.execute(blind_decode(2, 10), info.epoch),
+                                                 client.execute(blind_decode(3, 11), info.epoch))
+            restart = prefill(4)
+            restart.finished_req_ids = ["a"]  # drop "a" and send it again in full
+            again = await client.execute(restart, info.epoch)
+            return first, broken, behind, again
+        finally:
+            await client.close()
+
+    runner = make_runner(tiny_llama_path, block_size=8, num_kv_blocks=16)
+    execute = runner.execute
+
+    def failing(plan):
+        if plan.step_id == 2:
+            raise RuntimeError("boom in the runner")
+        return execute(plan)
+
+    runner.execute = failing
+    with ServedComputeLoop() as loop:
+        server, port = build_server(runner, "127.0.0.1", 0, TOKEN, compute=loop.loop)
+        server.start()
+        try:
+            first, broken, behind, again = asyncio.run(run(f"127.0.0.1:{port}"))
+        finally:
+            server.stop(None)
+    assert first.step_id == 1 and again.step_id == 4
+    assert isinstance(broken, ExecutorRejected) and broken.code == "INTERNAL" and "boom in the runner" in broken.detail
+    assert isinstance(behind, ExecutorUnavailable) and "follows step 2, which did not run" in behind.detail
