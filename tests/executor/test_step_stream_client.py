@@ -21,14 +21,17 @@ TOKEN = "executor-client-test-token"
 
 
 @contextlib.contextmanager
-def served(tiny_llama_path, slow_steps: dict[int, float] | None = None):
-    """A served executor; yields its address and the list of step ids its runner executed."""
+def served(tiny_llama_path, slow_steps: dict[int, float] | None = None, failing_step: int | None = None):
+    """A served executor whose runner sleeps `slow_steps[id]` s before a step and raises on
+    `failing_step`; yields its address, the list of step ids the runner was given, and the server."""
     runner = make_runner(tiny_llama_path, block_size=8, num_kv_blocks=16)
     execute, executed = runner.execute, []
 
     def recorded(plan):
         executed.append(plan.step_id)
         time.sleep((slow_steps or {}).get(plan.step_id, 0.0))
+        if plan.step_id == failing_step:
+            raise RuntimeError("boom in the runner")
         return execute(plan)
 
     runner.execute = recorded
@@ -36,7 +39,7 @@ def served(tiny_llama_path, slow_steps: dict[int, float] | None = None):
         server, port = build_server(runner, "127.0.0.1", 0, TOKEN, compute=loop.loop)
         server.start()
         try:
-            yield f"127.0.0.1:{port}", executed
+            yield f"127.0.0.1:{port}", executed, server
         finally:
             server.stop(None)
 
@@ -57,7 +60,7 @@ def test_pipelined_steps_are_answered_in_order(tiny_llama_path):
         finally:
             await client.close()
 
-    with served(tiny_llama_path) as (address, executed):
+    with served(tiny_llama_path) as (address, executed, _):
         assert asyncio.run(run(address)) == [1, 2, 3]
         assert executed == [1, 2, 3]
 
@@ -79,7 +82,7 @@ def test_a_refused_plan_fails_as_rejected_and_the_step_behind_it_never_runs(tiny
         finally:
             await client.close()
 
-    with served(tiny_llama_path) as (address, executed):
+    with served(tiny_llama_path) as (address, executed, _):
         first, bad, behind, again = asyncio.run(run(address))
         assert first.step_id == 1 and again.step_id == 4
         assert isinstance(bad, ExecutorRejected) and bad.code == "INVALID_ARGUMENT" and "step 2" in bad.detail
@@ -102,7 +105,7 @@ def test_a_step_past_its_deadline_fails_it_and_the_steps_behind_it(tiny_llama_pa
         finally:
             await client.close()
 
-    with served(tiny_llama_path, slow_steps={2: 1.5}) as (address, executed):
+    with served(tiny_llama_path, slow_steps={2: 1.5}) as (address, executed, _):
         slow, behind, waited = asyncio.run(run(address))
         assert isinstance(slow, ExecutorUnavailable) and slow.code == "DEADLINE_EXCEEDED"
         assert isinstance(behind, ExecutorUnavailable)
@@ -126,7 +129,7 @@ def test_cancelling_a_step_cancels_the_steps_behind_it(tiny_llama_path):
         finally:
             await client.close()
 
-    with served(tiny_llama_path, slow_steps={2: 1.0}) as (address, executed):
+    with served(tiny_llama_path, slow_steps={2: 1.0}) as (address, executed, _):
         outcome = asyncio.run(run(address))
         assert isinstance(outcome, ExecutorUnavailable)
         assert executed == [1, 2]
@@ -146,16 +149,8 @@ def test_a_lost_executor_fails_the_waiting_steps_as_unavailable(tiny_llama_path)
         finally:
             await client.close()
 
-    runner = make_runner(tiny_llama_path, block_size=8, num_kv_blocks=16)
-    execute = runner.execute
-    runner.execute = lambda plan: (time.sleep(1.0 if plan.step_id == 2 else 0.0), execute(plan))[1]
-    with ServedComputeLoop() as loop:
-        server, port = build_server(runner, "127.0.0.1", 0, TOKEN, compute=loop.loop)
-        server.start()
-        try:
-            outcome = asyncio.run(run(f"127.0.0.1:{port}", lambda: server.stop(None)))
-        finally:
-            server.stop(None)
+    with served(tiny_llama_path, slow_steps={2: 1.0}) as (address, _, server):
+        outcome = asyncio.run(run(address, lambda: server.stop(None)))
     assert isinstance(outcome, ExecutorUnavailable), outcome
 
 
@@ -176,7 +171,7 @@ def test_a_stream_without_the_token_is_refused(tiny_llama_path, wrong):
         finally:
             await intruder.close()
 
-    with served(tiny_llama_path) as (address, executed):
+    with served(tiny_llama_path) as (address, executed, _):
         outcome = asyncio.run(run(address))
         # UNAUTHENTICATED, or INTERNAL when grpc.aio's first write raced the refusal (see
         # _stream_error); test_access_control checks the code itself with a sync client.
@@ -202,22 +197,8 @@ def test_a_step_the_runner_fails_is_internal_and_the_stream_serves_on(tiny_llama
         finally:
             await client.close()
 
-    runner = make_runner(tiny_llama_path, block_size=8, num_kv_blocks=16)
-    execute = runner.execute
-
-    def failing(plan):
-        if plan.step_id == 2:
-            raise RuntimeError("boom in the runner")
-        return execute(plan)
-
-    runner.execute = failing
-    with ServedComputeLoop() as loop:
-        server, port = build_server(runner, "127.0.0.1", 0, TOKEN, compute=loop.loop)
-        server.start()
-        try:
-            first, broken, behind, again = asyncio.run(run(f"127.0.0.1:{port}"))
-        finally:
-            server.stop(None)
+    with served(tiny_llama_path, failing_step=2) as (address, _, _):
+        first, broken, behind, again = asyncio.run(run(address))
     assert first.step_id == 1 and again.step_id == 4
     assert isinstance(broken, ExecutorRejected) and broken.code == "INTERNAL" and "boom in the runner" in broken.detail
     assert isinstance(behind, ExecutorUnavailable) and "follows step 2, which did not run" in behind.detail
