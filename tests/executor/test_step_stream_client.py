@@ -44,6 +44,17 @@ def served(tiny_llama_path, slow_steps: dict[int, float] | None = None, failing_
             server.stop(None)
 
 
+@contextlib.asynccontextmanager
+async def connected(address: str, step_timeout: float = 30.0):
+    """A client that did its handshake; yields it and the epoch."""
+    client = ExecutorClient(address, TOKEN, step_timeout=step_timeout)
+    try:
+        info = await client.initialize(8, timeout=30)
+        yield client, info.epoch
+    finally:
+        await client.close()
+
+
 async def settle(*steps):
     """Each step's result or exception."""
     return await asyncio.gather(*steps, return_exceptions=True)
@@ -51,14 +62,10 @@ async def settle(*steps):
 
 def test_pipelined_steps_are_answered_in_order(tiny_llama_path):
     async def run(address):
-        client = ExecutorClient(address, TOKEN, step_timeout=30)
-        try:
-            info = await client.initialize(8, timeout=30)
-            results = await settle(*(client.execute(p, info.epoch)
+        async with connected(address) as (client, epoch):
+            results = await settle(*(client.execute(p, epoch)
                                      for p in (prefill(1), blind_decode(2, 10), blind_decode(3, 11))))
             return [r.step_id for r in results]
-        finally:
-            await client.close()
 
     with served(tiny_llama_path) as (address, executed, _):
         assert asyncio.run(run(address)) == [1, 2, 3]
@@ -67,20 +74,16 @@ def test_pipelined_steps_are_answered_in_order(tiny_llama_path):
 
 def test_a_refused_plan_fails_as_rejected_and_the_step_behind_it_never_runs(tiny_llama_path):
     async def run(address):
-        client = ExecutorClient(address, TOKEN, step_timeout=30)
-        try:
-            info = await client.initialize(8, timeout=30)
+        async with connected(address) as (client, epoch):
             first, bad, behind = await settle(
-                client.execute(prefill(1), info.epoch),
-                client.execute(StepPlan(2, follows_step_id=1, chunks=[ScheduledChunk("zz", 0, 1, 0, True)]), info.epoch),
-                client.execute(blind_decode(3, 10), info.epoch),
+                client.execute(prefill(1), epoch),
+                client.execute(StepPlan(2, follows_step_id=1, chunks=[ScheduledChunk("zz", 0, 1, 0, True)]), epoch),
+                client.execute(blind_decode(3, 10), epoch),
             )
             # The engine's way back: a new handshake, then the next step on a new stream.
-            info = await client.initialize(8, timeout=30)
-            again = await client.execute(prefill(4), info.epoch)
+            epoch = (await client.initialize(8, timeout=30)).epoch
+            again = await client.execute(prefill(4), epoch)
             return first, bad, behind, again
-        finally:
-            await client.close()
 
     with served(tiny_llama_path) as (address, executed, _):
         first, bad, behind, again = asyncio.run(run(address))
@@ -92,18 +95,14 @@ def test_a_refused_plan_fails_as_rejected_and_the_step_behind_it_never_runs(tiny
 
 def test_a_step_past_its_deadline_fails_it_and_the_steps_behind_it(tiny_llama_path):
     async def run(address):
-        client = ExecutorClient(address, TOKEN, step_timeout=0.5)
-        try:
-            info = await client.initialize(8, timeout=30)
-            await client.execute(prefill(1), info.epoch)
+        async with connected(address, step_timeout=0.5) as (client, epoch):
+            await client.execute(prefill(1), epoch)
             started = time.monotonic()
-            slow, behind = await settle(client.execute(blind_decode(2, 10), info.epoch),
-                                        client.execute(blind_decode(3, 11), info.epoch, timeout=30))
+            slow, behind = await settle(client.execute(blind_decode(2, 10), epoch),
+                                        client.execute(blind_decode(3, 11), epoch, timeout=30))
             waited = time.monotonic() - started
             await asyncio.sleep(2.0)  # step 2 ends at the executor; step 3 would run now
             return slow, behind, waited
-        finally:
-            await client.close()
 
     with served(tiny_llama_path, slow_steps={2: 1.5}) as (address, executed, _):
         slow, behind, waited = asyncio.run(run(address))
@@ -115,19 +114,15 @@ def test_a_step_past_its_deadline_fails_it_and_the_steps_behind_it(tiny_llama_pa
 
 def test_cancelling_a_step_cancels_the_steps_behind_it(tiny_llama_path):
     async def run(address):
-        client = ExecutorClient(address, TOKEN, step_timeout=30)
-        try:
-            info = await client.initialize(8, timeout=30)
-            await client.execute(prefill(1), info.epoch)
-            dropped = client.execute(blind_decode(2, 10), info.epoch)
-            behind = client.execute(blind_decode(3, 11), info.epoch)
+        async with connected(address) as (client, epoch):
+            await client.execute(prefill(1), epoch)
+            dropped = client.execute(blind_decode(2, 10), epoch)
+            behind = client.execute(blind_decode(3, 11), epoch)
             await asyncio.sleep(0.2)  # step 2 runs (1 s), 3 is queued
             dropped.cancel()  # what the engine's _drop_sent does
             (outcome,) = await settle(behind)
             await asyncio.sleep(1.5)
             return outcome
-        finally:
-            await client.close()
 
     with served(tiny_llama_path, slow_steps={2: 1.0}) as (address, executed, _):
         outcome = asyncio.run(run(address))
@@ -137,17 +132,13 @@ def test_cancelling_a_step_cancels_the_steps_behind_it(tiny_llama_path):
 
 def test_a_lost_executor_fails_the_waiting_steps_as_unavailable(tiny_llama_path):
     async def run(address, stop):
-        client = ExecutorClient(address, TOKEN, step_timeout=30)
-        try:
-            info = await client.initialize(8, timeout=30)
-            await client.execute(prefill(1), info.epoch)
-            waiting = client.execute(blind_decode(2, 10), info.epoch)
+        async with connected(address) as (client, epoch):
+            await client.execute(prefill(1), epoch)
+            waiting = client.execute(blind_decode(2, 10), epoch)
             await asyncio.sleep(0.2)
             stop()  # the server goes away while step 2 runs
             (outcome,) = await settle(waiting)
             return outcome
-        finally:
-            await client.close()
 
     with served(tiny_llama_path, slow_steps={2: 1.0}) as (address, _, server):
         outcome = asyncio.run(run(address, lambda: server.stop(None)))
@@ -157,16 +148,13 @@ def test_a_lost_executor_fails_the_waiting_steps_as_unavailable(tiny_llama_path)
 @pytest.mark.parametrize("wrong", ["", "wrong-token"])
 def test_a_stream_without_the_token_is_refused(tiny_llama_path, wrong):
     async def run(address):
-        client = ExecutorClient(address, TOKEN, step_timeout=30)
-        try:
-            info = await client.initialize(8, timeout=30)
-        finally:
-            await client.close()
+        async with connected(address) as (_, epoch):  # the epoch is not secret; the token is
+            pass
         intruder = ExecutorClient(address, wrong or "x", step_timeout=30)
         if not wrong:
             intruder._metadata = ()
         try:
-            (outcome,) = await settle(intruder.execute(prefill(1), info.epoch))
+            (outcome,) = await settle(intruder.execute(prefill(1), epoch))
             return outcome
         finally:
             await intruder.close()
@@ -184,18 +172,14 @@ def test_a_step_the_runner_fails_is_internal_and_the_stream_serves_on(tiny_llama
     as rejected (its requests fail); the executor keeps serving: a step behind it that builds on it
     is refused as not run, and the next independent step runs on the same stream."""
     async def run(address):
-        client = ExecutorClient(address, TOKEN, step_timeout=30)
-        try:
-            info = await client.initialize(8, timeout=30)
-            first, broken, behind = await settle(client.execute(prefill(1), info.epoch),
-                                                 client.execute(blind_decode(2, 10), info.epoch),
-                                                 client.execute(blind_decode(3, 11), info.epoch))
+        async with connected(address) as (client, epoch):
+            first, broken, behind = await settle(client.execute(prefill(1), epoch),
+                                                 client.execute(blind_decode(2, 10), epoch),
+                                                 client.execute(blind_decode(3, 11), epoch))
             restart = prefill(4)
             restart.finished_req_ids = ["a"]  # drop "a" and send it again in full
-            again = await client.execute(restart, info.epoch)
+            again = await client.execute(restart, epoch)
             return first, broken, behind, again
-        finally:
-            await client.close()
 
     with served(tiny_llama_path, failing_step=2) as (address, _, _):
         first, broken, behind, again = asyncio.run(run(address))
