@@ -10,8 +10,9 @@ idle), and the paired ratio async/sync of each round's throughput is reported wi
 What is measured, from the scheduler's Prometheus endpoint (no instrumentation of our own):
 - executor compute: the sum of the executor's reported `execute_seconds`
   (chunkwise:executor_step_duration_seconds_sum);
-- a step's round trip on the StepStream call as the scheduler sees it (chunkwise:step_duration_seconds_sum): compute
-  plus plan/result (de)serialisation on both sides and the loopback transport;
+- a step's round trip on the StepStream call as the scheduler sees it
+  (chunkwise:step_duration_seconds_sum): compute plus plan/result (de)serialisation on both sides
+  and the loopback transport;
 - the scheduler process's CPU time (user + system, from /proc) per step: what the scheduler's
   side of a step costs, whatever else shares the cores;
 - the run's wall time, first send to last completion, with every request submitted at once so the
