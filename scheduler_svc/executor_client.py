@@ -56,26 +56,23 @@ class ExecutorRejected(ExecutorError):
     the same again fails again."""
 
 
-# Status codes that mean "lost or not there", as opposed to "refused what was sent".
-_UNAVAILABLE_CODES = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.CANCELLED,
-})
-_UNAVAILABLE_NAMES = frozenset(c.name for c in _UNAVAILABLE_CODES)
+# Status codes (by name: a step's StepError carries the name) that mean "lost or not there", as
+# opposed to "refused what was sent".
+_UNAVAILABLE_NAMES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION", "CANCELLED"})
 _CALL_REFUSED_CODES = frozenset({
     grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED,
 })
 
 
-def _executor_error(e: grpc.aio.AioRpcError) -> ExecutorError:
-    kind = ExecutorUnavailable if e.code() in _UNAVAILABLE_CODES else ExecutorRejected
-    return kind(e.code().name, e.details() or "")
-
-
 def _step_error(code: str, message: str) -> ExecutorError:
-    """A step the executor answered as not run (StepResult.error)."""
+    """A call that failed with status `code`, or a step the executor answered as not run with it
+    (StepResult.error)."""
     kind = ExecutorUnavailable if code in _UNAVAILABLE_NAMES else ExecutorRejected
     return kind(code, message)
+
+
+def _executor_error(e: grpc.aio.AioRpcError) -> ExecutorError:
+    return _step_error(e.code().name, e.details() or "")
 
 
 def _stream_error(e: grpc.aio.AioRpcError) -> ExecutorError:
@@ -145,7 +142,8 @@ class ExecutorClient:
         The plan is queued for the stream's writer, which sends it on the event loop's next turn:
         a caller that yields once after this knows the plan is on its way. `timeout` (default the
         client's step_timeout) bounds the wait for this step's result; when it passes, the stream
-        is cancelled and every step on it fails with DEADLINE_EXCEEDED. Cancelling the future
+        is cancelled, this step fails with DEADLINE_EXCEEDED and the steps behind it as not run
+        (both ExecutorUnavailable). Cancelling the future
         cancels the stream too: every step behind it builds on it.
         """
         if self._steps is None or self._steps.closed:
