@@ -11,7 +11,9 @@ mixed, prefill-only), the executor's CPU share (process CPU time / wall x thread
 means a core idled in a serial region), and with --profile a torch.profiler breakdown by
 operator family (matmul, attention, elementwise, ...) over the whole run. --compare-packing
 runs two runners in interleaved rounds, one with its linear layers on oneDNN's prepacked weights
-(the default on CPU) and one on F.linear, and reports the paired ratio.
+(the default on CPU) and one on F.linear, and reports the paired ratio; --compare-prefill-pieces
+likewise pits prefill attention in pieces of rows (the default on CPU) against one SDPA call per
+chunk.
 """
 
 from __future__ import annotations
@@ -149,6 +151,20 @@ def _kind_s(runs: list[dict], rnd: int, name: str, kind: str) -> float:
     return next(r["by_kind"][kind]["total_s"] for r in runs if r["round"] == rnd and r["runner"] == name)
 
 
+def paired(result: dict, runs: list[dict], base: str, new: str, key: str, repeats: int, kinds) -> None:
+    """base / new wall time per round (above 1: `new` is faster), whole run and by kind of step."""
+    ratios = [_wall(runs, i, base) / _wall(runs, i, new) for i in range(repeats)]
+    result[f"{key}_wall"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
+    by_kind = {}
+    for kind in kinds:
+        k = [_kind_s(runs, i, base, kind) / _kind_s(runs, i, new, kind) for i in range(repeats)]
+        by_kind[kind] = {"median": statistics.median(k), "min": min(k), "max": max(k)}
+    result[f"{key}_by_kind"] = by_kind
+    print(f"{base} / {new} wall time, paired: median {statistics.median(ratios):.3f} "
+          f"({min(ratios):.3f}-{max(ratios):.3f}, n={len(ratios)})"
+          + "".join(f"; {k} {v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f})" for k, v in by_kind.items()))
+
+
 def report(label: str, r: dict) -> None:
     print(f"{label}: {r['wall_s']:.2f} s, {r['tok_per_s']:.0f} tok/s (prompt+output computed), "
           f"{r['steps']} steps, cpu share {r['cpu_share']:.0%}, hit rate {r['hit_rate']:.1%}", flush=True)
@@ -174,6 +190,9 @@ def main(argv=None) -> int:
     p.add_argument("--compare-packing", action="store_true",
                    help="two runners, linear layers through oneDNN's prepacked weights and through F.linear, "
                         "in interleaved rounds, with the paired ratio")
+    p.add_argument("--compare-prefill-pieces", action="store_true",
+                   help="two runners, prefill attention in pieces of rows (the default) and one SDPA call per "
+                        "chunk, in interleaved rounds, with the paired ratio")
     p.add_argument("--decode", nargs=2, type=int, metavar=("BATCH", "CTX"),
                    help="instead of the workload: decode steps of BATCH requests at context CTX (median of 5 a round)")
     p.add_argument("--json")
@@ -188,8 +207,12 @@ def main(argv=None) -> int:
         available, packed_linear.available = packed_linear.available, lambda device: False
         runners["F.linear"] = ModelRunner(config)
         packed_linear.available = available
+    if ns.compare_prefill_pieces:
+        runners = {"pieces": runners["default"], "one-call": ModelRunner(config)}
     for r in runners.values():
         r.initialize(16)
+    if ns.compare_prefill_pieces:
+        runners["one-call"].backend.prefill_piece_rows = None
     first = next(iter(runners.values()))
     requests = random_dataset(ns.num_prompts, input_len=637, output_len=ns.output_len, prefix_len=180,
                               num_prefix_groups=8, vocab_size=first.spec.vocab_size, seed=0)
@@ -209,18 +232,10 @@ def main(argv=None) -> int:
             runs.append(r)
     result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "dtype": str(first.dtype),
               "threads": torch.get_num_threads(), "decode_attention": first.info.decode_attention, "runs": runs}
-    if ns.compare_packing:
-        ratios = [_wall(runs, i, "F.linear") / _wall(runs, i, "packed") for i in range(ns.repeats)]
-        result["plain_over_packed_wall"] = {"median": statistics.median(ratios), "min": min(ratios),
-                                            "max": max(ratios), "n": len(ratios)}
-        by_kind = {}
-        for kind in (() if ns.decode else ("mixed", "decode-only")):
-            k = [_kind_s(runs, i, "F.linear", kind) / _kind_s(runs, i, "packed", kind) for i in range(ns.repeats)]
-            by_kind[kind] = {"median": statistics.median(k), "min": min(k), "max": max(k)}
-        result["plain_over_packed_by_kind"] = by_kind
-        print(f"F.linear / packed wall time, paired: median {statistics.median(ratios):.3f} "
-              f"({min(ratios):.3f}-{max(ratios):.3f}, n={len(ratios)})"
-              + "".join(f"; {k} {v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f})" for k, v in by_kind.items()))
+    for flag, base, new, key in ((ns.compare_packing, "F.linear", "packed", "plain_over_packed"),
+                                 (ns.compare_prefill_pieces, "one-call", "pieces", "one_call_over_pieces")):
+        if flag:
+            paired(result, runs, base, new, key, ns.repeats, kinds=() if ns.decode else ("mixed", "decode-only"))
     write_json(ns.json, result)
     return 0
 

@@ -2,7 +2,8 @@
 
 Prefill chunks: per request, gather its blocks from the paged cache (one index_select of whole
 blocks), trim to the context length and run scaled_dot_product_attention with a causal mask
-offset by the number of positions before the chunk.
+offset by the number of positions before the chunk. On CPU a long chunk's query rows go in
+pieces, each against only the keys up to its own last position (see PREFILL_PIECE_ROWS).
 
 Single-query rows (decodes, and a fully cached prompt's last token) take one of two paths:
 - with a ready PagedDecodeKernel (CPU, inductor): all of them in one call that reads keys and
@@ -22,12 +23,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from chunkwise.plan import cdiv
+
 from ..kv_cache import write_kv
 from .base import AttentionBackend, BatchLayout
 from .paged_decode import PagedDecodeKernel, decode_slots
 
 # Upper bound on keys gathered (padded) by one batched decode call: groups x max context.
 DECODE_GROUP_MAX_KEYS = 1 << 16
+
+# On CPU a prefill chunk's query rows are attended in pieces of at most this many rows, each piece
+# against keys [0, its last position] only. torch's CPU flash kernel skips causally masked keys
+# only in whole 512-key blocks, and scores every key when it is given a mask (a chunk after a
+# cached prefix or an earlier chunk), so a single call scores most of the pairs that the causal
+# mask then discards. In pieces the masked-out upper triangle is mostly never computed: 1.1-1.4x
+# faster per chunk on SmolLM2's shapes, bf16 and fp32, with 96-256 rows about equally good
+# (bench/RESULTS.md section 2b). Each row's softmax still runs over exactly its visible keys.
+PREFILL_PIECE_ROWS = 192
 
 
 def _sdpa_supports_gqa() -> bool:
@@ -44,17 +56,25 @@ _SDPA_GQA = _sdpa_supports_gqa()
 
 
 @dataclass
-class _Prefill:
-    row: int  # index into layout.block_table
+class _Piece:
+    """Query rows [q0, q1) of the batch against keys [0, num_keys) of their request."""
+
     q0: int
     q1: int
-    context_len: int
-    num_blocks: int
-    # [q_len, context_len] bool, True = attend; None with `causal`. Turned into an additive mask
+    num_keys: int
+    # [q1 - q0, num_keys] bool, True = attend; None with `causal`. Turned into an additive mask
     # in q's dtype at the first layer: torch's CPU SDPA runs ~10% faster with one than with a bool
     # mask on a 461 x 637 chunk (bench/RESULTS.md).
     mask: torch.Tensor | None
-    causal: bool  # query rows are exactly positions 0..context_len-1 (plain causal)
+    causal: bool  # the rows are exactly positions 0..num_keys-1 (plain causal, no mask)
+
+
+@dataclass
+class _Prefill:
+    row: int  # index into layout.block_table
+    context_len: int
+    num_blocks: int
+    pieces: list[_Piece]
 
 
 @dataclass
@@ -88,9 +108,11 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 decode_kernel: PagedDecodeKernel | None = None):
+                 decode_kernel: PagedDecodeKernel | None = None, prefill_piece_rows: int | None = PREFILL_PIECE_ROWS):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.decode_kernel = decode_kernel if decode_kernel is not None and decode_kernel.ready else None
+        # None: one call per chunk (what CUDA always gets: its kernels skip masked tiles themselves).
+        self.prefill_piece_rows = prefill_piece_rows
 
     @property
     def decode_path(self) -> str:
@@ -107,17 +129,32 @@ class TorchAttentionBackend(AttentionBackend):
             if q1 - q0 == 1:
                 singles.append(r)
                 continue
-            mask, causal = None, False
-            if q1 - q0 == ctx:
-                causal = True  # whole sequence in this chunk: the standard causal mask
-            else:
-                # Query at position p may see keys 0..p; p runs from `start`, keys from 0.
-                q_pos = torch.arange(start, ctx, device=device)
-                mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
-            prefills.append(_Prefill(r, q0, q1, ctx, layout.num_blocks[r], mask, causal))
+            pieces = self._pieces(q0, q1, start, device)
+            prefills.append(_Prefill(r, ctx, layout.num_blocks[r], pieces))
         if self.decode_kernel is not None and singles:
             return _TorchStep(prefills, [], self._paged_decode(layout, singles))
         return _TorchStep(prefills, self._decode_groups(layout, singles), None)
+
+    def _pieces(self, q0: int, q1: int, start: int, device: torch.device) -> list[_Piece]:
+        """Batch rows [q0, q1), positions start.., split into near-equal pieces of at most
+        prefill_piece_rows rows (CPU only), each seeing keys up to its own last position."""
+        rows = q1 - q0
+        size = rows
+        if self.prefill_piece_rows is not None and device.type == "cpu" and rows > self.prefill_piece_rows:
+            n = cdiv(rows, self.prefill_piece_rows)
+            size = cdiv(rows, n)
+        pieces = []
+        for a in range(0, rows, size):
+            b = min(rows, a + size)
+            first, keys = start + a, start + b  # positions of the piece: first .. keys - 1
+            if first == 0:  # the piece is a whole prefix of the sequence: the standard causal mask
+                pieces.append(_Piece(q0 + a, q0 + b, keys, None, True))
+                continue
+            # Query at position p may see keys 0..p.
+            q_pos = torch.arange(first, keys, device=device)
+            mask = torch.arange(keys, device=device)[None, :] <= q_pos[:, None]
+            pieces.append(_Piece(q0 + a, q0 + b, keys, mask, False))
+        return pieces
 
     @staticmethod
     def _paged_decode(layout: BatchLayout, singles: list[int]) -> _PagedDecode:
@@ -180,15 +217,16 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache, v_cache = layer_cache[0], layer_cache[1]  # [num_blocks, block_size, KVH, D]
         out = torch.empty_like(q)
         for s in prepared.prefills:
-            if s.mask is not None and s.mask.dtype == torch.bool:
-                s.mask = torch.zeros(s.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~s.mask, float("-inf"))
             blocks = layout.block_table[s.row, : s.num_blocks]
-            keys = k_cache.index_select(0, blocks).flatten(0, 1)[: s.context_len]  # [ctx, KVH, D]
-            values = v_cache.index_select(0, blocks).flatten(0, 1)[: s.context_len]
-            o = self._sdpa(q[s.q0 : s.q1].transpose(0, 1).unsqueeze(0),  # [1, H, q_len, D]
-                           keys.transpose(0, 1).unsqueeze(0),  # [1, KVH, ctx, D]
-                           values.transpose(0, 1).unsqueeze(0), s.mask, s.causal)
-            out[s.q0 : s.q1] = o[0].transpose(0, 1)
+            keys = k_cache.index_select(0, blocks).flatten(0, 1)[: s.context_len].transpose(0, 1)  # [KVH, ctx, D]
+            values = v_cache.index_select(0, blocks).flatten(0, 1)[: s.context_len].transpose(0, 1)
+            for p in s.pieces:
+                if p.mask is not None and p.mask.dtype == torch.bool:
+                    p.mask = torch.zeros(p.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~p.mask, float("-inf"))
+                o = self._sdpa(q[p.q0 : p.q1].transpose(0, 1).unsqueeze(0),  # [1, H, rows, D]
+                               keys[:, : p.num_keys].unsqueeze(0),  # [1, KVH, keys, D]
+                               values[:, : p.num_keys].unsqueeze(0), p.mask, p.causal)
+                out[p.q0 : p.q1] = o[0].transpose(0, 1)
         if prepared.paged_decode is not None:
             d = prepared.paged_decode
             assert self.decode_kernel is not None

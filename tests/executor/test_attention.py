@@ -120,6 +120,46 @@ def test_torch_backend_matches_naive_attention(block_size, decode_path):
     torch.testing.assert_close(out, naive_attention(q, fk, fv, layout), atol=1e-5, rtol=1e-5)
 
 
+LONG_CHUNKS = [
+    (0, 23, 0),  # a whole prompt: its first piece is plain causal, the rest masked
+    (16, 19, 16),  # a chunk after a cached prefix
+    (5, 17, 8),  # recomputed positions 5..7 below kv_write_start
+    (20, 1, 20),  # a decode
+]
+
+
+@pytest.mark.parametrize("piece_rows", [None, 3, 5, 8])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_prefill_in_pieces_matches_naive_attention(block_size, piece_rows):
+    # Every split of a chunk's query rows into pieces, each against keys up to its own last
+    # position, gives the same attention as the reference.
+    layout, cache, q, k, v, fk, fv = build_case(LONG_CHUNKS, block_size, num_blocks=128, seed=5)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, DIM, prefill_piece_rows=piece_rows)
+    step = StepAttention(backend, cache, layout)
+    pieces = [[(p.q1 - p.q0, p.num_keys) for p in s.pieces] for s in step.prepared.prefills]
+    if piece_rows is None:
+        assert pieces == [[(23, 23)], [(19, 35)], [(17, 22)]]
+    else:  # really in pieces: near-equal, none over piece_rows, each ending at its last position
+        assert all(len(ps) == -(-n // piece_rows) for ps, n in zip(pieces, (23, 19, 17)))
+        assert all(rows <= piece_rows for ps in pieces for rows, _ in ps)
+        assert [ps[-1][1] for ps in pieces] == [23, 35, 22]
+        rows, keys = pieces[0][0]
+        assert rows == keys  # the whole prompt's first piece: positions 0..rows-1
+    torch.testing.assert_close(step(0, q, k, v), naive_attention(q, fk, fv, layout), atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_pieces_at_the_default_size():
+    # Chunks longer than PREFILL_PIECE_ROWS, as the seed's prompts are (637 tokens, 176 of them
+    # a cached prefix), are split by default on CPU and stay exact.
+    import executor_svc.attention.torch_backend as tb
+
+    chunks = [(0, 2 * tb.PREFILL_PIECE_ROWS + 5, 0), (176, tb.PREFILL_PIECE_ROWS + 1, 176)]
+    layout, cache, q, k, v, fk, fv = build_case(chunks, 16, num_blocks=128, seed=9)
+    step = StepAttention(TorchAttentionBackend(HEADS, KV_HEADS, DIM), cache, layout)
+    assert [len(s.pieces) for s in step.prepared.prefills] == [3, 2]
+    torch.testing.assert_close(step(0, q, k, v), naive_attention(q, fk, fv, layout), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("chunks", [[(0, 1, 0)], [(4, 1, 4)], [(0, 1, 0), (0, 1, 0)], [(40, 1, 40)] * 3])
 def test_paged_decode_handles_the_smallest_batches(chunks):
     # One row, one key, ... : the sizes a compiler specialises; padding must keep them exact.
