@@ -36,7 +36,7 @@ DECODE_GROUP_MAX_KEYS = 1 << 16
 # against keys [0, its last position] only. torch's CPU flash kernel skips causally masked keys
 # only in whole 512-key blocks, and scores every key when it is given a mask (a chunk after a
 # cached prefix or an earlier chunk), so a single call scores most of the pairs that the causal
-# mask then discards. In pieces the masked-out upper triangle is mostly never computed: 1.1-1.4x
+# mask then discards. In pieces the masked-out upper triangle is mostly never computed: 1.03-1.4x
 # faster per chunk on SmolLM2's shapes, bf16 and fp32, with 96-256 rows about equally good
 # (bench/RESULTS.md section 2b). Each row's softmax still runs over exactly its visible keys.
 PREFILL_PIECE_ROWS = 192
