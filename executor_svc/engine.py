@@ -256,6 +256,12 @@ class ModelRunner:
         elif backend_cls is FlexAttentionBackend:  # --enforce-eager: FlexAttention's dense eager reference
             backend = FlexAttentionBackend(self.num_heads, self.num_kv_heads, self.spec.head_dim,
                                            compile=not self.config.enforce_eager)
+            if self.device.type == "cpu":  # inductor's CPU template is wrong at some block sizes on some CPUs
+                why = backend.cpu_self_check(block_size, self.dtype)
+                if why is not None:
+                    self.kv_cache = None
+                    raise ValueError(f"--attention-backend flex cannot be used: {why}; use --attention-backend "
+                                     "torch (the CPU default) or another --block-size")
             decode = backend_cls.name
         else:
             backend = backend_cls(self.num_heads, self.num_kv_heads, self.spec.head_dim)

@@ -23,6 +23,12 @@ here; it is not chosen on CPU by `auto`, where the paged decode kernel is severa
 On CPU it is a test path: each new step shape compiles anew, and past torch's recompile limit
 (or with --enforce-eager) the dense reference scores every slot of the cache for every row.
 
+Inductor's CPU template is not right everywhere: on an AVX2-only CPU (Zen 3) torch 2.13's kernel
+returns wrong rows at block size 8 (errors of ~2-5 in the output; blocks of 2, 4, 16 and 32 are
+right there, and 8 is right on AVX-512 CPUs). So on CPU the compiled backend first runs
+`cpu_self_check`, a probe step at the cache's block size and dtype against the eager reference,
+and the runner refuses the backend, naming the flag, if the two disagree.
+
 Slots no request owns are multiplied by a zero weight, not skipped, inside a listed block (and
 everywhere in the eager reference), so they must hold finite values: the cache is allocated
 zeroed and only ever written with K/V, which keeps them so.
@@ -128,6 +134,47 @@ class FlexAttentionBackend(AttentionBackend):
         # Compiled, FlexAttention is one fused kernel that honours the block mask's sparsity;
         # eager, it is the dense reference (every slot scored, then masked): exact but slow.
         self._attend: Any = None if compile else flex_attention
+
+    def cpu_self_check(self, block_size: int, dtype: torch.dtype) -> str | None:
+        """None if the compiled CPU kernel equals FlexAttention's eager reference on a probe step
+        at this block size and dtype, else a sentence saying how far off it is. The probe: a
+        prompt straddling query tiles, a chunk after a cached prefix, two decodes, over scattered
+        blocks of a cache filled with random K/V."""
+        if self._attend is flex_attention:  # eager: the reference itself
+            return None
+        g = torch.Generator().manual_seed(0)
+        bs = block_size
+        num_computed = [0, 2 * bs + 3, 3 * bs + 5, bs + 1]
+        query_lens = [20, 13, 1, 1]
+        context_lens = [c + n for c, n in zip(num_computed, query_lens)]
+        num_blocks = [-(-c // bs) for c in context_lens]
+        cache_blocks = sum(num_blocks) + 3
+        order = torch.randperm(cache_blocks, generator=g)
+        table = torch.zeros((len(num_blocks), max(num_blocks)), dtype=torch.int64)
+        used = 0
+        for r, n in enumerate(num_blocks):
+            table[r, :n] = order[used: used + n]
+            used += n
+        query_start = [0]
+        for n in query_lens:
+            query_start.append(query_start[-1] + n)
+        layout = BatchLayout(num_tokens=query_start[-1], block_size=bs, query_start=query_start,
+                             num_computed=num_computed, context_lens=context_lens, num_blocks=num_blocks,
+                             block_table=table, slot_mapping=torch.empty(0, dtype=torch.int64), write_rows=None)
+        layer_cache = torch.randn(2, cache_blocks, bs, self.num_kv_heads, self.head_dim, generator=g).to(dtype)
+        q = torch.randn(layout.num_tokens, self.num_heads, self.head_dim, generator=g).to(dtype)
+        kv = q.new_empty(0, self.num_kv_heads, self.head_dim)  # nothing is written: slot_mapping is empty
+        with torch.inference_mode():
+            got = self.forward(q, kv, kv, layer_cache, layout, self.prepare(layout)).float()
+            eager = FlexAttentionBackend(self.num_heads, self.num_kv_heads, self.head_dim, self.scale, compile=False)
+            want = eager.forward(q, kv, kv, layer_cache, layout, eager.prepare(layout)).float()
+        err = float((got - want).abs().max())
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        if err <= tol:
+            return None
+        bad_rows = int(((got - want).abs().amax(dim=(1, 2)) > tol).sum())
+        return (f"inductor's CPU FlexAttention kernel disagrees with the eager reference at block size {bs} "
+                f"({str(dtype).removeprefix('torch.')}) on this CPU: {bad_rows} of {layout.num_tokens} probe rows off, by up to {err:.3g}")
 
     def _compiled(self, device: torch.device) -> Any:
         # CUDA: torch.compile's automatic dynamic shapes (the first step's shape static, the next

@@ -58,15 +58,22 @@ def test_block_mask_lists_each_needed_block_once(block_size):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("block_size", [1, 4, 8, 16])
 def test_flex_backend_matches_naive_and_torch_backend(block_size, compiled):
     if compiled and block_size == 1:
         pytest.skip("inductor's CPU FlexAttention template needs KV tiles of more than one slot")
+    backend = FlexAttentionBackend(HEADS, KV_HEADS, DIM, compile=compiled)
     if compiled:
         torch._dynamo.reset()  # compiled for this shape, not eager past an earlier test's recompile limit
+        # Where torch's compiled kernel differs from its own eager reference (block size 8 on an
+        # AVX2-only CPU), the runner refuses the backend (test below); with the same mask in both,
+        # a mistake of ours would pass this check and fail the comparison with the naive reference.
+        why = backend.cpu_self_check(block_size, torch.float32)
+        if why is not None:
+            pytest.skip(f"refused by the runner on this CPU: {why}")
     layout, cache, q, k, v, fk, fv = build_case(MANY, block_size, num_blocks=_blocks(block_size), seed=7)
     _stale_foreign_slots(layout, cache)
-    got = StepAttention(FlexAttentionBackend(HEADS, KV_HEADS, DIM, compile=compiled), cache, layout)(0, q, k, v)
+    got = StepAttention(backend, cache, layout)(0, q, k, v)
     torch.testing.assert_close(got, naive_attention(q, fk, fv, layout), atol=1e-5, rtol=1e-5)
     want = StepAttention(TorchAttentionBackend(HEADS, KV_HEADS, DIM), cache, layout)(0, q, k, v)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -109,7 +116,8 @@ def test_runner_through_flex_matches_transformers(tiny_llama_path):
     from .test_chunked_prefill import ATOL
 
     torch._dynamo.reset()
-    runner = make_runner(tiny_llama_path, block_size=8, num_kv_blocks=64, attention_backend="flex")
+    # Block size 4: one the compiled CPU kernel gets right on every CPU seen (8 is wrong on Zen 3).
+    runner = make_runner(tiny_llama_path, block_size=4, num_kv_blocks=96, attention_backend="flex")
     assert runner.info.attention_backend == runner.info.decode_attention == "flex"
     d, checked = run_chunked_cached_mixed(runner)
     ref = load_reference(tiny_llama_path)
@@ -119,6 +127,25 @@ def test_runner_through_flex_matches_transformers(tiny_llama_path):
         torch.testing.assert_close(d.logits_matrix(rid, start, end), hf_logits(ref, r.tokens[:end])[start:end],
                                    atol=ATOL, rtol=0)
     assert len(d.reqs["dec"].outputs) == 5
+
+
+def test_runner_refuses_flex_where_the_compiled_kernel_is_wrong(tiny_llama_path, monkeypatch):
+    """The self-check is what stands between a wrong CPU kernel and wrong tokens: a compiled
+    kernel that is off (here: its output scaled) makes initialize refuse, naming the flag and
+    the block size."""
+    from executor_svc.attention import flex_backend
+
+    from .helpers import make_runner
+
+    def off_by_a_little(*args, **kwargs):
+        return flex_backend.flex_attention(*args, **kwargs) * 1.01
+
+    monkeypatch.setattr(FlexAttentionBackend, "_compiled", lambda self, device: off_by_a_little)
+    with pytest.raises(ValueError, match=r"--attention-backend flex cannot be used: inductor's CPU "
+                                         r"FlexAttention kernel disagrees .* block size 4 .*35 probe rows"):
+        make_runner(tiny_llama_path, block_size=4, num_kv_blocks=64, attention_backend="flex")
+    runner = make_runner(tiny_llama_path, block_size=4, num_kv_blocks=64)  # torch, the default, is unaffected
+    assert runner.info.attention_backend == "torch"
 
 
 def test_auto_never_picks_flex_on_cpu_and_explicit_flex_is_checked(monkeypatch):
