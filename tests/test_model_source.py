@@ -434,8 +434,28 @@ def test_tokenizer_tokens_and_template(tokenizer) -> None:
     assert tokenizer.decode(with_system).startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
 
 
+def _slow_stand_in_conversion(gguf_path: Path, out_dir: Path) -> None:
+    """Writes the files a conversion leaves (a one-tensor safetensors among them), slowly enough
+    that the second process started beside it finds the lock held."""
+    from safetensors.torch import save_file
+    import torch
+
+    # Both children touch a file just before resolving; the lock holder converts only once both
+    # are on their way, then takes long enough for the other to reach the lock.
+    deadline = time.monotonic() + 120
+    while len(list(out_dir.parent.parent.glob("child-*.started"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(3.0)
+    for name in model_source._REQUIRED_FILES:
+        (out_dir / name).write_text("{}")
+    save_file({"model.embed_tokens.weight": torch.zeros(2, 2)}, str(out_dir / "model.safetensors"))
+
+
 def _convert_in_child(cache_dir: str, results: multiprocessing.Queue) -> None:
-    """Run in a spawned process: resolve the default model, report the path and what was logged."""
+    """Run in a spawned process: resolve the default model, report the path and what was logged.
+    The conversion itself is a slow stand-in: what is under test is the lock and the rename (the
+    real conversion is the `converted` fixture's, checked by the tests above)."""
+    model_source._convert_into = _slow_stand_in_conversion
     records: list[str] = []
 
     class Collect(logging.Handler):
@@ -445,6 +465,8 @@ def _convert_in_child(cache_dir: str, results: multiprocessing.Queue) -> None:
     log = logging.getLogger(LOGGER)
     log.setLevel(logging.INFO)
     log.addHandler(Collect())
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    (Path(cache_dir) / f"child-{os.getpid()}.started").touch()
     try:
         results.put((os.getpid(), str(resolve_model(None, cache_dir=cache_dir)), records))
     except BaseException as e:  # report, so the parent fails with the reason instead of timing out
@@ -483,6 +505,8 @@ def test_concurrent_conversion(tmp_path: Path) -> None:
     assert len(converters) == 1, outcomes
     other_logs = next(logs for pid, _, logs in outcomes if pid not in converters)
     assert any(m.startswith("using cached model") for m in other_logs), outcomes
+    # It came while the conversion ran (3 s) and waited for the lock, not after it was done.
+    assert any(m.startswith("waiting for another process converting") for m in other_logs), outcomes
     # One directory (plus its lock file) and no temporary leftovers.
     assert sorted(p.name for p in model_dir.parent.iterdir()) == sorted([model_dir.name, f".{model_dir.name}.lock"])
     assert model_source._is_complete(model_dir)
