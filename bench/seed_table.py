@@ -396,6 +396,9 @@ def main(argv=None) -> int:
                    help="recompute the summaries of an earlier result file (no runs)")
     ns = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # SIGTERM (kill, a timeout) ends the driver as Ctrl-C does, so main_async's finally stops the
+    # stacks and the vLLM server it started: they run in sessions of their own and outlive it.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if ns.resummarize:
         result = json.loads(Path(ns.resummarize).read_text())
         result["summary"] = summarize(result["runs"], list(result["summary"]), result["baseline"])
