@@ -3,9 +3,9 @@
     .venv/bin/python bench/startup.py --rounds 3 --json bench/results/startup.json
 
 Starts `python -m executor_svc` on the embedded model (already converted to a checkpoint) and
-times it from the command to a health-checked ready server. "cold": TORCHINDUCTOR_CACHE_DIR is a
-new empty directory, so the paged decode kernel is compiled; "warm": the same directory again,
-so it is loaded. `--enforce-eager` (no kernel at all) is timed beside them. Each round runs the
+times it from the command to a health-checked ready server. "cold": CHUNKWISE_CACHE_DIR (where
+the paged decode kernel's package is kept) and TORCHINDUCTOR_CACHE_DIR are a new empty directory,
+so the kernel is compiled; "warm": the same directory again, so it is loaded. `--enforce-eager` (no kernel at all) is timed beside them. Each round runs the
 three in turn; the table gives the median and range over rounds.
 """
 
@@ -26,7 +26,7 @@ from chunkwise_tools.serve import start_executor
 
 
 def time_to_ready(model: str, args: list[str], cache_dir: str) -> float:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    env = dict(os.environ, CHUNKWISE_CACHE_DIR=cache_dir, TORCHINDUCTOR_CACHE_DIR=cache_dir)
     t0 = time.perf_counter()
     proc = start_executor(model, secrets.token_hex(8), args, env=env, timeout=600)
     seconds = time.perf_counter() - t0
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     args = ["--dtype", ns.dtype, "--num-kv-blocks", "2048"]
     runs: dict[str, list[float]] = {"cold": [], "warm": [], "enforce-eager": []}
     for r in range(ns.rounds):
-        with tempfile.TemporaryDirectory(prefix="inductor-cold-") as cache:
+        with tempfile.TemporaryDirectory(prefix="chunkwise-cold-") as cache:
             runs["cold"].append(time_to_ready(model, args, cache))
             runs["warm"].append(time_to_ready(model, args, cache))
             runs["enforce-eager"].append(time_to_ready(model, [*args, "--enforce-eager"], cache))

@@ -184,7 +184,7 @@ def _is_complete(model_dir: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _exclusive_lock(lock_path: Path) -> Iterator[bool]:
+def exclusive_lock(lock_path: Path, doing: str = "converting into the cache") -> Iterator[bool]:
     """Hold an exclusive flock on `lock_path`; yields False where fcntl does not exist (no lock).
 
     The lock file is left behind on purpose: deleting it would let a third process lock a fresh
@@ -199,7 +199,7 @@ def _exclusive_lock(lock_path: Path) -> Iterator[bool]:
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            logger.info("waiting for another process converting into the cache (lock %s)", lock_path)
+            logger.info("waiting for another process %s (lock %s)", doing, lock_path)
             fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield True
@@ -217,7 +217,7 @@ def convert_gguf(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike
         return target
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(target.parent / f".{target.name}.lock") as locked:
+    with exclusive_lock(target.parent / f".{target.name}.lock") as locked:
         # Another process may have finished while we waited for the lock.
         if _is_complete(target):
             logger.info("using cached model %s (converted by another process)", target)

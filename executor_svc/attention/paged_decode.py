@@ -5,18 +5,20 @@ way, `k_cache[block_table]` and then SDPA, copies every request's context out of
 every layer: on a CPU that copy alone costs more than the attention math (bench/RESULTS.md).
 
 Here the math is written as reductions over *slot ids*: `slots[b, j]` is the cache slot of
-request b's key j, computed once per step from the block tables and shared by all layers. With
-torch.compile (inductor), the gather `k_flat[slots]` is fused into the score and output loops, so
-each key and value is read once, straight from its block, and never materialised.
+request b's key j, computed once per step from the block tables and shared by all layers. Compiled
+by inductor, the gather `k_flat[slots]` is fused into the score and output loops, so each key and
+value is read once, straight from its block, and never materialised.
 
 - `decode_slots`: slot ids and the key count per row, padded to a batch of >= 2 rows and >= 2
   keys (the compiler specialises sizes 0 and 1, so padding keeps one compiled kernel for every
   batch size and context length).
 - `paged_decode_reference`: the same math, eager: the definition the compiled kernel is tested
   against, and readable.
-- `PagedDecodeKernel`: compiles it once with dynamic batch, context and cache sizes, warms it
-  up, and says why when it cannot (no C++ compiler, --enforce-eager): the caller then uses the
-  folded-query SDPA path instead.
+- `PagedDecodeKernel`: compiles it ahead of time (AOTInductor) with dynamic batch, context and
+  cache sizes into a package in the chunkwise cache, built once per machine and head geometry
+  and loaded in milliseconds by every later start; checks it on a warm-up batch, and says why
+  when it cannot run (no C++ compiler, --enforce-eager): the caller then uses the folded-query
+  SDPA path instead.
 
 Softmax runs in float32 whatever the cache dtype; padded keys are masked to -inf and their
 values to zero, so stale data in a slot the request does not own (even NaN) cannot leak in.
@@ -24,10 +26,17 @@ values to zero, so stale data in a slot the request does not own (even NaN) cann
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
 import logging
 import os
+import platform
 import shutil
 import time
+import zipfile
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,18 +46,21 @@ logger = logging.getLogger("chunkwise.executor.attention")
 
 # Rows and keys are padded to at least this many, so that no dynamic size is 0 or 1.
 MIN_PADDED = 2
-# (rows, keys) of the warm-up calls: a typical decode batch first (its sizes guide the compiler's
-# loop planning), then a small one, which must run without a recompile.
+# (rows, keys) of the warm-up calls: a typical decode batch first (also the export's example,
+# whose sizes guide the compiler's loop planning), then the smallest.
 WARM_UP_SHAPES = ((32, 512), (2, 5))
 WARM_UP_SLOTS = 256
-# Inductor decides which loops run in parallel from the sizes of the first call (the hints) and
-# keeps that decision for every later size. cpp.dynamic_threads keeps at least the outer loop of
+# Inductor decides which loops run in parallel from the example's sizes (the hints) and keeps
+# that decision for every later size. cpp.dynamic_threads keeps at least the outer loop of
 # every loop nest parallel whatever the hints said: without it, after a small warm-up batch the
 # softmax reductions were compiled `omp single`, one core idle for a third of the kernel.
 # assert_indirect_indexing off: the generated loops would bounds-check every slot id they load
 # (a compare and branch in the innermost loop; 10% of the kernel in fp32, bench/RESULTS.md).
 # `PagedDecodeKernel.check_slots` checks them all once per step instead, before any layer runs.
 COMPILE_OPTIONS = {"cpp.dynamic_threads": True, "assert_indirect_indexing": False}
+# Part of the package's cache key: bump it when what is exported changes in a way the key's
+# other parts (the functions' source, the options, torch) do not show.
+PACKAGE_FORMAT = 1
 
 
 def decode_slots(block_table: torch.Tensor, lens: list[int], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +85,7 @@ def decode_slots(block_table: torch.Tensor, lens: list[int], block_size: int) ->
 
 
 def paged_decode_reference(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor,
-                           lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           lens: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
     """Attention of one query per row over keys `k_flat[slots[b, :lens[b]]]`.
 
     q [B, H, D]; k_flat, v_flat [num_slots, KVH, D] (a layer's cache, blocks flattened);
@@ -95,8 +107,8 @@ def paged_decode_reference(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.
 
 
 def inductor_cache_dir() -> str:
-    """Where inductor keeps compiled kernels: $TORCHINDUCTOR_CACHE_DIR if set, else under the
-    chunkwise cache root, so that a second start reuses the first one's compile."""
+    """Where inductor keeps its compile cache: $TORCHINDUCTOR_CACHE_DIR if set, else under the
+    chunkwise cache root (not /tmp), so that a rebuild and other compiled code reuse it."""
     from chunkwise.model_source import cache_root
 
     return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_root() / "inductor")
@@ -113,14 +125,20 @@ def compiler_unavailable_reason(device: torch.device) -> str | None:
 
 
 class PagedDecodeKernel:
-    """`paged_decode_reference`, compiled by inductor once for every batch size, context length
-    and cache size. Construct with the model's head geometry; `ready` tells whether it may be
-    used (else `reason` says why not), after a warm-up run checked against the reference."""
+    """`paged_decode_reference`, compiled ahead of time by AOTInductor for every batch size,
+    context length and cache size, and kept as a package in the chunkwise cache. Construct with
+    the model's head geometry; `ready` tells whether it may be used (else `reason` says why not),
+    after a warm-up run checked against the reference.
+
+    Why ahead of time: a `torch.compile` kernel costs every executor start ~4 s even with a warm
+    inductor cache (importing dynamo and inductor, tracing, guards); a package loads in
+    milliseconds through torch's C++ loader, without importing either (bench/RESULTS.md)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, enforce_eager: bool):
+                 device: torch.device, enforce_eager: bool, cache_dir: str | os.PathLike[str] | None = None):
         self.ready = False
         self.compile_s = 0.0
+        self.package: Path | None = None
         if enforce_eager:
             self.reason = "--enforce-eager: using folded-query SDPA over gathered blocks"
             return
@@ -128,43 +146,43 @@ class PagedDecodeKernel:
         if why is not None:
             self.reason = f"{why}: using folded-query SDPA over gathered blocks"
             return
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
-        self._fn = torch.compile(paged_decode_reference, dynamic=False, fullgraph=True, options=COMPILE_OPTIONS)
+        self._scales: dict[float, torch.Tensor] = {}
         t0 = time.perf_counter()
         try:
+            self.package = package_path(num_heads, num_kv_heads, head_dim, dtype, cache_dir)
+            self._runner, how = _load_or_build(self.package, num_heads, num_kv_heads, head_dim, dtype)
             self._warm_up(num_heads, num_kv_heads, head_dim, dtype, device)
         except Exception as e:  # a broken toolchain shows up here as any kind of error
-            self.reason = f"inductor could not build the kernel ({type(e).__name__}: {str(e)[:200]}): " \
+            self.reason = f"the paged decode kernel could not be built ({type(e).__name__}: {str(e)[:200]}): " \
                           "using folded-query SDPA over gathered blocks"
             logger.warning("%s", self.reason)
             return
         self.compile_s = time.perf_counter() - t0
         self.ready = True
-        self.reason = f"inductor-compiled paged decode kernel ({self.compile_s:.1f} s to build or load)"
+        self.reason = f"paged decode kernel, AOTInductor-compiled ({how} in {self.compile_s:.1f} s: {self.package})"
 
     def _warm_up(self, h: int, kvh: int, d: int, dtype: torch.dtype, device: torch.device) -> None:
-        # Called the way the executor calls it, since grad mode and the tensors' kind are part of
-        # the compiled code's guards: the KV cache is an ordinary tensor (allocated outside
-        # inference mode), everything else is made inside it. Two different shapes, so the
-        # kernel is known to serve new sizes without recompiling; the first is a typical decode
-        # batch, since its sizes are the hints the compiler plans the loops by.
+        # Two different shapes, one of them the smallest a call can have, each checked against
+        # the reference: a stale or damaged package is caught here, before the server is ready.
         g = torch.Generator(device="cpu").manual_seed(0)
         k_flat = torch.randn(WARM_UP_SLOTS, kvh, d, generator=g).to(device, dtype)
         v_flat = torch.randn(WARM_UP_SLOTS, kvh, d, generator=g).to(device, dtype)
         with torch.inference_mode():
-            self._check_shapes(k_flat, v_flat, h, d, dtype, device, g)
+            for b, length in WARM_UP_SHAPES:
+                q = torch.randn(b, h, d, generator=g).to(device, dtype)
+                slots = torch.randint(0, WARM_UP_SLOTS, (b, length), generator=g).to(device)
+                lens = torch.tensor([length] + [length - 1] * (b - 1), device=device)
+                got = self(q, k_flat, v_flat, slots, lens, d**-0.5)
+                want = paged_decode_reference(q, k_flat, v_flat, slots, lens, d**-0.5)
+                tol = 1e-4 if dtype == torch.float32 else 2e-2
+                if not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):
+                    raise RuntimeError("the compiled kernel disagrees with the reference on the warm-up batch")
 
-    def _check_shapes(self, k_flat: torch.Tensor, v_flat: torch.Tensor, h: int, d: int, dtype: torch.dtype,
-                      device: torch.device, g: torch.Generator) -> None:
-        for b, length in WARM_UP_SHAPES:
-            q = torch.randn(b, h, d, generator=g).to(device, dtype)
-            slots = torch.randint(0, WARM_UP_SLOTS, (b, length), generator=g).to(device)
-            lens = torch.tensor([length] + [length - 1] * (b - 1), device=device)
-            got = self(q, k_flat, v_flat, slots, lens, d**-0.5)
-            want = paged_decode_reference(q, k_flat, v_flat, slots, lens, d**-0.5)
-            tol = 1e-4 if dtype == torch.float32 else 2e-2
-            if not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):
-                raise RuntimeError("the compiled kernel disagrees with the reference on the warm-up batch")
+    def generated_cpp(self) -> str:
+        """The C++ source of the package's kernel (what inductor wrote), for tests and curiosity."""
+        assert self.package is not None
+        with zipfile.ZipFile(self.package) as z:
+            return "\n".join(z.read(n).decode() for n in z.namelist() if n.endswith(".kernel.cpp"))
 
     @staticmethod
     def check_slots(slots: torch.Tensor, num_slots: int) -> None:
@@ -175,9 +193,102 @@ class PagedDecodeKernel:
 
     def __call__(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor,
                  lens: torch.Tensor, scale: float) -> torch.Tensor:
-        # Batch, context length and cache size vary from call to call; marking them dynamic
-        # keeps one compiled kernel for all of them (they are never 0 or 1, see decode_slots).
-        for t, dims in ((q, (0,)), (k_flat, (0,)), (v_flat, (0,)), (slots, (0, 1)), (lens, (0,))):
-            for dim in dims:
-                torch._dynamo.maybe_mark_dynamic(t, dim)
-        return self._fn(q, k_flat, v_flat, slots, lens, scale)
+        # Every size is dynamic in the package (none is ever 0 or 1, see decode_slots).
+        scale_t = self._scales.get(scale)
+        if scale_t is None:
+            scale_t = self._scales.setdefault(scale, torch.tensor(scale, dtype=torch.float32))
+        return self._runner.run([q, k_flat, v_flat, slots, lens, scale_t])[0]
+
+
+def package_path(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where the package for this geometry lives. The name hashes everything the compiled code
+    depends on: the kernel's source, the compile options, torch, and the CPU (inductor compiles
+    with -march=native: a cache shared with another kind of CPU must not hand it instructions
+    it lacks)."""
+    from chunkwise.model_source import cache_root
+
+    key = json.dumps({
+        "format": PACKAGE_FORMAT, "source": inspect.getsource(paged_decode_reference),
+        "export": inspect.getsource(_ExportedKernel), "options": COMPILE_OPTIONS, "torch": torch.__version__,
+        "isa": torch.backends.cpu.get_cpu_capability(), "cpu": _cpu_signature(),
+        "geometry": [num_heads, num_kv_heads, head_dim, str(dtype)],
+    }, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    name = f"paged_decode_{str(dtype).removeprefix('torch.')}_{num_heads}x{num_kv_heads}x{head_dim}_{digest}.pt2"
+    return cache_root(cache_dir) / "kernels" / name
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and instruction-set flags (Linux), else what the platform module knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.split(":")[0].strip() in ("model name", "flags", "Features")]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
+class _ExportedKernel(torch.nn.Module):
+    """The reference as a module, for torch.export; the scale is an input (a 0-d float32 tensor),
+    so one package serves any model with this head geometry."""
+
+    def forward(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor,
+                lens: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return paged_decode_reference(q, k_flat, v_flat, slots, lens, scale)
+
+
+def _load(path: Path) -> Any:
+    # torch's own loader for AOTInductor packages: what torch._inductor.aoti_load_package
+    # wraps, minus the pytree handling of inputs and outputs (plain lists here) and minus the
+    # import of inductor and dynamo it drags in (1.7 s). Arguments: model name in the package,
+    # not single-threaded, one runner, device index -1 (CPU).
+    return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+
+
+def _build(path: Path, h: int, kvh: int, d: int, dtype: torch.dtype) -> None:
+    """Export the reference with dynamic batch, key count and cache size, compile it with
+    AOTInductor and write the package to `path` (atomically: a reader never sees half a file)."""
+    import torch._inductor
+    from torch.export import Dim, export
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+    rows, keys, slots_n = Dim("rows", min=MIN_PADDED), Dim("keys", min=MIN_PADDED), Dim("slots", min=MIN_PADDED)
+    # The example's sizes are the hints inductor plans the loops by: a typical decode batch.
+    b, length = WARM_UP_SHAPES[0]
+    example = (torch.randn(b, h, d).to(dtype), torch.randn(WARM_UP_SLOTS, kvh, d).to(dtype),
+               torch.randn(WARM_UP_SLOTS, kvh, d).to(dtype), torch.randint(0, WARM_UP_SLOTS, (b, length)),
+               torch.full((b,), length), torch.tensor(d**-0.5))
+    dynamic = ({0: rows}, {0: slots_n}, {0: slots_n}, {0: rows, 1: keys}, {0: rows}, None)
+    program = export(_ExportedKernel(), example, dynamic_shapes=dynamic)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
+    try:
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
+                                                # a copy: it adds its own settings to the dict
+                                                inductor_configs=dict(COMPILE_OPTIONS))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _load_or_build(path: Path, h: int, kvh: int, d: int, dtype: torch.dtype) -> tuple[Any, str]:
+    """The loaded package at `path`, building it first if there is none (or it will not load).
+    One process builds at a time; the others wait on the lock, then load what it wrote."""
+    from chunkwise.model_source import exclusive_lock
+
+    if path.exists():
+        try:
+            return _load(path), "loaded"
+        except Exception as e:  # damaged, or written by an incompatible torch: build it again
+            logger.warning("paged decode package %s does not load (%s); building it again", path, e)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(path.with_suffix(".lock"), "building the paged decode kernel"):
+        if path.exists():
+            try:
+                return _load(path), "loaded"
+            except Exception:
+                path.unlink()
+        logger.info("building the paged decode kernel for %s (once per machine and model geometry)", path.name)
+        _build(path, h, kvh, d, dtype)
+        return _load(path), "built"

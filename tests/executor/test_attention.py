@@ -4,6 +4,7 @@ flash-attn backend against the torch backend (CUDA + flash-attn only)."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from executor_svc.attention.paged_decode import (
     COMPILE_OPTIONS,
     PagedDecodeKernel,
     decode_slots,
+    package_path,
     paged_decode_reference,
 )
 from executor_svc.kv_cache import KVCache, KVCacheShape
@@ -168,12 +170,12 @@ def test_paged_decode_handles_the_smallest_batches(chunks):
     torch.testing.assert_close(out, naive_attention(q, fk, fv, layout), atol=1e-5, rtol=1e-5)
 
 
-def test_paged_decode_serves_new_shapes_without_recompiling():
+def test_paged_decode_serves_every_shape():
     kernel = paged_kernel()
     g = torch.Generator().manual_seed(1)
     # As in the executor: the cache is an ordinary tensor, the rest is made in inference mode.
     k_flat, v_flat = torch.randn(512, KV_HEADS, DIM, generator=g), torch.randn(512, KV_HEADS, DIM, generator=g)
-    with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
+    with torch.inference_mode():
         for lens in ([1], [3, 9], [100, 7, 64, 2, 31], list(range(1, 40))):
             table = torch.randint(0, 32, (len(lens), 8), generator=g)
             slots, lens_t = decode_slots(table, lens, 16)
@@ -181,10 +183,16 @@ def test_paged_decode_serves_new_shapes_without_recompiling():
             got = kernel(q, k_flat, v_flat, slots, lens_t, DIM**-0.5)
             torch.testing.assert_close(got, paged_decode_reference(q, k_flat, v_flat, slots, lens_t, DIM**-0.5),
                                        atol=1e-5, rtol=1e-5)
+        # another cache size, and a model whose attention scale is not head_dim ** -0.5
+        k_big, v_big = torch.randn(1000, KV_HEADS, DIM, generator=g), torch.randn(1000, KV_HEADS, DIM, generator=g)
+        slots, lens_t = decode_slots(torch.randint(0, 62, (3, 4), generator=g), [50, 64, 9], 16)
+        q = torch.randn(3, HEADS, DIM, generator=g)
+        torch.testing.assert_close(kernel(q, k_big, v_big, slots, lens_t, 0.3),
+                                   paged_decode_reference(q, k_big, v_big, slots, lens_t, 0.3), atol=1e-5, rtol=1e-5)
 
 
-def _compiled_cpp(options: dict) -> str:
-    """The C++ inductor writes for the paged decode kernel when first called with 2 rows x 5 keys."""
+def _jit_compiled_cpp(options: dict) -> str:
+    """The C++ inductor writes for the paged decode kernel when its sizes hints are 2 rows x 5 keys."""
     from torch._inductor.utils import fresh_cache, run_and_get_cpp_code
 
     fn = torch.compile(paged_decode_reference, dynamic=False, fullgraph=True, options=options)
@@ -202,16 +210,58 @@ def _compiled_cpp(options: dict) -> str:
 
 
 def test_paged_decode_runs_every_loop_nest_in_parallel():
-    # The compiler plans parallel loops from the first call's sizes and keeps the plan for every
-    # later size; planned from a small batch, the softmax's loops (or all of them) ran on one core.
-    code = _compiled_cpp(COMPILE_OPTIONS)
+    # The compiler plans parallel loops from the example's sizes and keeps the plan for every
+    # later size. The package's kernel runs every loop nest in parallel ...
+    code = paged_kernel().generated_cpp()
     assert code.count("omp for") >= 4, code
     assert "omp single" not in code, code
-    # Without the option the same small first call plans serial loops (what the option is for).
-    plain = _compiled_cpp({})
+    # ... and so does a kernel planned from a small batch, with the options the package is built
+    # with; without them, the same small hints plan serial loops (what the options are for).
+    small = _jit_compiled_cpp(COMPILE_OPTIONS)
+    assert small.count("omp for") >= 4 and "omp single" not in small, small
+    plain = _jit_compiled_cpp({})
     assert "omp single" in plain or "omp for" not in plain
     # Slot ids are bounds-checked once per step (check_slots), not at every load in the loops.
     assert "index out of bounds" in plain and "index out of bounds" not in code
+
+
+def test_the_kernel_package_is_built_once_and_then_loaded():
+    first = paged_kernel()
+    again = PagedDecodeKernel(HEADS, KV_HEADS, DIM, torch.float32, torch.device("cpu"), enforce_eager=False)
+    assert again.ready and "loaded in" in again.reason and again.package == first.package
+    # The package's name carries the geometry and dtype; another geometry is another package.
+    assert package_path(HEADS, KV_HEADS, DIM, torch.bfloat16) != first.package
+    assert package_path(HEADS, KV_HEADS, DIM + 8, torch.float32) != first.package
+    assert first.package is not None and f"float32_{HEADS}x{KV_HEADS}x{DIM}_" in first.package.name
+
+
+def test_a_damaged_package_is_rebuilt(tmp_path, monkeypatch, caplog):
+    # Stand-in for the compiler: copies the real package into place. What is under test is what
+    # happens around it: the damaged file is noticed, rebuilt under the lock, then loaded.
+    import executor_svc.attention.paged_decode as pd
+
+    good = paged_kernel().package
+    other = paged_kernel(torch.bfloat16).package  # before the stand-in: it would copy fp32 code there
+    built = []
+
+    def fake_build(path, *geometry):
+        built.append(path)
+        shutil.copyfile(good, path)
+
+    monkeypatch.setattr(pd, "_build", fake_build)
+    target = package_path(HEADS, KV_HEADS, DIM, torch.float32, tmp_path)
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"not a package")
+    kernel = PagedDecodeKernel(HEADS, KV_HEADS, DIM, torch.float32, torch.device("cpu"), False, cache_dir=tmp_path)
+    assert kernel.ready and "built in" in kernel.reason and built == [target], kernel.reason
+    assert "does not load" in caplog.text
+    kernel = PagedDecodeKernel(HEADS, KV_HEADS, DIM, torch.float32, torch.device("cpu"), False, cache_dir=tmp_path)
+    assert kernel.ready and "loaded in" in kernel.reason and len(built) == 1
+    # A package that loads but computes something else (here: bf16 code fed fp32 data, which the
+    # package's runner does not notice) is refused by the warm-up check.
+    shutil.copyfile(other, target)
+    kernel = PagedDecodeKernel(HEADS, KV_HEADS, DIM, torch.float32, torch.device("cpu"), False, cache_dir=tmp_path)
+    assert not kernel.ready and "could not be built" in kernel.reason, kernel.reason
 
 
 def test_slot_ids_outside_the_cache_are_refused_before_the_kernel_runs():
