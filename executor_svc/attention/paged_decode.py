@@ -12,6 +12,8 @@ value is read once, straight from its block, and never materialised.
 - `decode_slots`: slot ids and the key count per row, padded to a batch of >= 2 rows and >= 2
   keys (the compiler specialises sizes 0 and 1, so padding keeps one compiled kernel for every
   batch size and context length).
+- `group_by_length`: the rows of a step in groups of similar context length, one kernel call
+  each, so that a short row is not padded to the step's longest context.
 - `paged_decode_reference`: the same math, eager: the definition the compiled kernel is tested
   against, and readable.
 - `PagedDecodeKernel`: compiles it ahead of time (AOTInductor) with dynamic batch, context and
@@ -61,6 +63,29 @@ COMPILE_OPTIONS = {"cpp.dynamic_threads": True, "assert_indirect_indexing": Fals
 # Part of the package's cache key: bump it when what is exported changes in a way the key's
 # other parts (the functions' source, the options, torch) do not show.
 PACKAGE_FORMAT = 1
+
+
+# A kernel call pads its rows to its longest context and computes every padded key (masked), so
+# rows of very different lengths go in separate calls: a group ends where a context is shorter
+# than DECODE_GROUP_FILL x the group's longest (under 1/8 of a group's keys wasted), and there are
+# at most DECODE_GROUPS_MAX calls a layer. A call costs ~15 us over its work, about 100 keys of
+# one row (bench/RESULTS.md section 2), so even a row split off alone pays for itself.
+DECODE_GROUP_FILL = 0.875
+DECODE_GROUPS_MAX = 4
+
+
+def group_by_length(lens: list[int], fill: float = DECODE_GROUP_FILL,
+                    max_groups: int = DECODE_GROUPS_MAX) -> list[list[int]]:
+    """Indices into `lens` in groups, longest contexts first: in each group the shortest context
+    is at least `fill` x the longest, except in the last group once there are `max_groups`,
+    which takes all the rest."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
+        if groups and (len(groups) == max_groups or lens[i] >= fill * lens[groups[-1][0]]):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def decode_slots(block_table: torch.Tensor, lens: list[int], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,8 +6,9 @@ offset by the number of positions before the chunk. On CPU a long chunk's query 
 pieces, each against only the keys up to its own last position (see PREFILL_PIECE_ROWS).
 
 Single-query rows (decodes, and a fully cached prompt's last token) take one of two paths:
-- with a ready PagedDecodeKernel (CPU, inductor): all of them in one call that reads keys and
-  values in place from their blocks through per-step slot ids (paged_decode.py);
+- with a ready PagedDecodeKernel (CPU, inductor): a call per group of rows of similar context
+  length (one call when they are alike), reading keys and values in place from their blocks
+  through per-step slot ids (paged_decode.py);
 - otherwise (--enforce-eager, no C++ compiler, CUDA): requests are sorted by context length and
   grouped so that one padded gather + one SDPA call serves a whole group, with a key-padding
   mask and the query heads of each KV head folded into query rows (so SDPA sees plain multi-
@@ -27,7 +28,7 @@ from chunkwise.plan import cdiv
 
 from ..kv_cache import write_kv
 from .base import AttentionBackend, BatchLayout
-from .paged_decode import PagedDecodeKernel, decode_slots
+from .paged_decode import PagedDecodeKernel, decode_slots, group_by_length
 
 # Upper bound on keys gathered (padded) by one batched decode call: groups x max context.
 DECODE_GROUP_MAX_KEYS = 1 << 16
@@ -88,7 +89,7 @@ class _DecodeGroup:
 
 @dataclass
 class _PagedDecode:
-    """All single-query rows of the step, for the paged decode kernel."""
+    """Single-query rows of the step of similar context length, for one paged decode kernel call."""
 
     q_rows: torch.Tensor  # [B'] batch rows, padded to >= 2 by repeating the first
     num_rows: int  # B: the real rows, first in q_rows
@@ -101,7 +102,7 @@ class _PagedDecode:
 class _TorchStep:
     prefills: list[_Prefill]
     decode_groups: list[_DecodeGroup]
-    paged_decode: _PagedDecode | None
+    paged_decodes: list[_PagedDecode]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -132,8 +133,8 @@ class TorchAttentionBackend(AttentionBackend):
             pieces = self._pieces(q0, q1, start, device)
             prefills.append(_Prefill(r, ctx, layout.num_blocks[r], pieces))
         if self.decode_kernel is not None and singles:
-            return _TorchStep(prefills, [], self._paged_decode(layout, singles))
-        return _TorchStep(prefills, self._decode_groups(layout, singles), None)
+            return _TorchStep(prefills, [], self._paged_decodes(layout, singles))
+        return _TorchStep(prefills, self._decode_groups(layout, singles), [])
 
     def _pieces(self, q0: int, q1: int, start: int, device: torch.device) -> list[_Piece]:
         """Batch rows [q0, q1), positions start.., split into near-equal pieces of at most
@@ -157,15 +158,19 @@ class TorchAttentionBackend(AttentionBackend):
         return pieces
 
     @staticmethod
-    def _paged_decode(layout: BatchLayout, singles: list[int]) -> _PagedDecode:
+    def _paged_decodes(layout: BatchLayout, singles: list[int]) -> list[_PagedDecode]:
         device = layout.block_table.device
-        rows = torch.tensor(singles, device=device)
-        nb = max(layout.num_blocks[r] for r in singles)
-        slots, lens = decode_slots(layout.block_table.index_select(0, rows)[:, :nb],
-                                   [layout.context_lens[r] for r in singles], layout.block_size)
-        q_rows = [layout.query_start[r] for r in singles]
-        q_rows += [q_rows[0]] * (slots.shape[0] - len(q_rows))
-        return _PagedDecode(torch.tensor(q_rows, device=device), len(singles), slots, lens)
+        calls = []
+        for group in group_by_length([layout.context_lens[r] for r in singles]):
+            members = [singles[i] for i in group]
+            rows = torch.tensor(members, device=device)
+            nb = max(layout.num_blocks[r] for r in members)
+            slots, lens = decode_slots(layout.block_table.index_select(0, rows)[:, :nb],
+                                       [layout.context_lens[r] for r in members], layout.block_size)
+            q_rows = [layout.query_start[r] for r in members]
+            q_rows += [q_rows[0]] * (slots.shape[0] - len(q_rows))
+            calls.append(_PagedDecode(torch.tensor(q_rows, device=device), len(members), slots, lens))
+        return calls
 
     @staticmethod
     def _decode_groups(layout: BatchLayout, singles: list[int]) -> list[_DecodeGroup]:
@@ -227,8 +232,7 @@ class TorchAttentionBackend(AttentionBackend):
                                keys[:, : p.num_keys].unsqueeze(0),  # [1, KVH, keys, D]
                                values[:, : p.num_keys].unsqueeze(0), p.mask, p.causal)
                 out[p.q0 : p.q1] = o[0].transpose(0, 1)
-        if prepared.paged_decode is not None:
-            d = prepared.paged_decode
+        for d in prepared.paged_decodes:
             assert self.decode_kernel is not None
             if not d.checked:
                 self.decode_kernel.check_slots(d.slots, layer_cache.shape[1] * layer_cache.shape[2])

@@ -8,6 +8,8 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from executor_svc.attention import (
     BatchLayout,
@@ -20,6 +22,7 @@ from executor_svc.attention.paged_decode import (
     COMPILE_OPTIONS,
     PagedDecodeKernel,
     decode_slots,
+    group_by_length,
     package_path,
     paged_decode_reference,
 )
@@ -316,9 +319,28 @@ def test_torch_backend_batched_decodes_ignore_foreign_slots(monkeypatch, decode_
     if decode_path == "sdpa-folded":
         assert len(step.prepared.decode_groups) > 2
     else:
-        assert step.prepared.paged_decode.num_rows == 9
+        # rows of contexts 30, 30 | 25 | 17 | 13, 9, 8, 3, 2: a kernel call each, each padded to
+        # its own longest context (the last one takes the rest: at most DECODE_GROUPS_MAX calls)
+        calls = step.prepared.paged_decodes
+        assert [(d.num_rows, d.slots.shape[1]) for d in calls] == [(2, 30), (1, 25), (1, 17), (5, 13)]
     out = step(0, q, k, v)
     torch.testing.assert_close(out, naive_attention(q, fk, fv, layout), atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 4000), max_size=64), st.sampled_from([0.5, 0.875, 1.0]), st.integers(1, 6))
+def test_group_by_length_partitions_rows_into_groups_of_similar_length(lens, fill, max_groups):
+    groups = group_by_length(lens, fill, max_groups)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))  # every row exactly once
+    assert len(groups) <= max_groups and all(groups)
+    flat = [lens[i] for g in groups for i in g]
+    assert flat == sorted(flat, reverse=True)  # longest first, groups in order
+    for n, g in enumerate(groups):
+        longest, shortest = lens[g[0]], lens[g[-1]]
+        if n < len(groups) - 1 or len(groups) < max_groups:
+            assert shortest >= fill * longest
+        if n > 0:  # a group starts only where the previous one could not take its first row
+            assert lens[g[0]] < fill * lens[groups[n - 1][0]]
 
 
 def test_select_backend_on_cpu():
