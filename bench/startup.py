@@ -5,8 +5,9 @@
 Starts `python -m executor_svc` on the embedded model (already converted to a checkpoint) and
 times it from the command to a health-checked ready server. "cold": CHUNKWISE_CACHE_DIR (where
 the paged decode kernel's package is kept) and TORCHINDUCTOR_CACHE_DIR are a new empty directory,
-so the kernel is compiled; "warm": the same directory again, so it is loaded. `--enforce-eager` (no kernel at all) is timed beside them. Each round runs the
-three in turn; the table gives the median and range over rounds.
+so the kernel is compiled; "warm": the same directory again, so it is loaded. `--enforce-eager`
+(no kernel at all) is timed beside them. Each round runs the three in turn; the table gives the
+median and range over rounds.
 """
 
 from __future__ import annotations
