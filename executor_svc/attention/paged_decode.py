@@ -62,7 +62,7 @@ WARM_UP_SLOTS = 256
 COMPILE_OPTIONS = {"cpp.dynamic_threads": True, "assert_indirect_indexing": False}
 # Part of the package's cache key: bump it when what is exported changes in a way the key's
 # other parts (the functions' source, the options, torch) do not show.
-PACKAGE_FORMAT = 1
+PACKAGE_FORMAT = 2
 
 
 # A kernel call pads its rows to its longest context and computes every padded key (masked), so
@@ -218,11 +218,14 @@ class PagedDecodeKernel:
 
     def __call__(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor,
                  lens: torch.Tensor, scale: float) -> torch.Tensor:
-        # Every size is dynamic in the package (none is ever 0 or 1, see decode_slots).
+        # Every size is dynamic in the package (none is ever 0 or 1, see decode_slots). The
+        # query goes in as float32, whatever the cache's dtype: the reference converts it first
+        # anyway, and compiled, that conversion would be redone for every key it meets (12% of
+        # a bf16 call; bench/RESULTS.md section 2). The output is rounded to q's dtype after.
         scale_t = self._scales.get(scale)
         if scale_t is None:
             scale_t = self._scales.setdefault(scale, torch.tensor(scale, dtype=torch.float32))
-        return self._runner.run([q, k_flat, v_flat, slots, lens, scale_t])[0]
+        return self._runner.run([q.float(), k_flat, v_flat, slots, lens, scale_t])[0].to(q.dtype)
 
 
 def package_path(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -281,7 +284,7 @@ def _build(path: Path, h: int, kvh: int, d: int, dtype: torch.dtype) -> None:
     rows, keys, slots_n = Dim("rows", min=MIN_PADDED), Dim("keys", min=MIN_PADDED), Dim("slots", min=MIN_PADDED)
     # The example's sizes are the hints inductor plans the loops by: a typical decode batch.
     b, length = WARM_UP_SHAPES[0]
-    example = (torch.randn(b, h, d).to(dtype), torch.randn(WARM_UP_SLOTS, kvh, d).to(dtype),
+    example = (torch.randn(b, h, d), torch.randn(WARM_UP_SLOTS, kvh, d).to(dtype),  # q: float32, see __call__
                torch.randn(WARM_UP_SLOTS, kvh, d).to(dtype), torch.randint(0, WARM_UP_SLOTS, (b, length)),
                torch.full((b,), length), torch.tensor(d**-0.5))
     dynamic = ({0: rows}, {0: slots_n}, {0: slots_n}, {0: rows, 1: keys}, {0: rows}, None)
