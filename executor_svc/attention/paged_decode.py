@@ -300,23 +300,31 @@ def _build(path: Path, h: int, kvh: int, d: int, dtype: torch.dtype) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _load_existing(path: Path) -> Any | None:
+    """The package at `path` loaded, or None if there is none or it does not load (damaged, or
+    written by an incompatible torch: the caller builds it again, and the rename replaces it)."""
+    if not path.exists():
+        return None
+    try:
+        return _load(path)
+    except Exception as e:
+        logger.warning("paged decode package %s does not load (%s); building it again", path, e)
+        return None
+
+
 def _load_or_build(path: Path, h: int, kvh: int, d: int, dtype: torch.dtype) -> tuple[Any, str]:
     """The loaded package at `path`, building it first if there is none (or it will not load).
     One process builds at a time; the others wait on the lock, then load what it wrote."""
     from chunkwise.model_source import exclusive_lock
 
-    if path.exists():
-        try:
-            return _load(path), "loaded"
-        except Exception as e:  # damaged, or written by an incompatible torch: build it again
-            logger.warning("paged decode package %s does not load (%s); building it again", path, e)
+    runner = _load_existing(path)
+    if runner is not None:
+        return runner, "loaded"
     path.parent.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(path.with_suffix(".lock"), "building the paged decode kernel"):
-        if path.exists():
-            try:
-                return _load(path), "loaded"
-            except Exception:
-                path.unlink()
+        runner = _load_existing(path)  # another process may have built it while this one waited
+        if runner is not None:
+            return runner, "loaded"
         logger.info("building the paged decode kernel for %s (once per machine and model geometry)", path.name)
         _build(path, h, kvh, d, dtype)
         return _load(path), "built"
