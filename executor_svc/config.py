@@ -46,6 +46,10 @@ class ExecutorConfig:
     port: int = 50061
     token: str | None = None  # shared secret every call must carry; the server refuses to start without one
     enforce_eager: bool = False  # no torch.compile: decode attention takes the folded-query SDPA path
+    # CPU: batches of at least this many rows take a linear layer's plain weight (F.linear) instead
+    # of its oneDNN-packed copy, so every linear layer holds both (packed_linear.py). 0: the packed
+    # copy only. None (auto): 512 in float32 on an AVX2 CPU without AVX-512, else 0.
+    cpu_plain_weight_min_rows: int | None = None
     # Tensor parallelism on one host: this process is rank 0 and starts the others, which meet at
     # master_addr:master_port (torch.distributed's rendezvous; None: a free port on loopback).
     tensor_parallel_size: int = 1
@@ -86,6 +90,11 @@ class ExecutorConfig:
                        help="cap on the context length (default: the model's max_position_embeddings)")
         g.add_argument("--enforce-eager", default=s, action="store_true",
                        help="never compile: decode attention gathers blocks and calls SDPA (slower, starts faster)")
+        g.add_argument("--cpu-plain-weight-min-rows", default=s, type=int, metavar="N",
+                       help="CPU: batches of >= N rows use a second, plain copy of each linear layer's weight "
+                            "(F.linear: MKL in float32, faster than the oneDNN-packed copy at prefill-sized "
+                            "batches on AVX2 CPUs); costs the linear weights twice in memory; 0: the packed "
+                            "copy only (default: 512 in float32 on a CPU without AVX-512, else 0)")
         g.add_argument("--tensor-parallel-size", "-tp", default=s, type=int, metavar="N",
                        help="shard the model over N ranks (processes) on this host: query/KV heads and the MLP "
                             "split N ways, gloo on CPU, NCCL on CUDA (1)")
@@ -160,6 +169,9 @@ class ExecutorConfig:
             p.append(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.kv_cache_space > 0.0:
             p.append(f"--kv-cache-space must be > 0 GiB, got {self.kv_cache_space}")
+        if self.cpu_plain_weight_min_rows is not None and (
+                not isinstance(self.cpu_plain_weight_min_rows, int) or self.cpu_plain_weight_min_rows < 0):
+            p.append(f"--cpu-plain-weight-min-rows must be >= 0, got {self.cpu_plain_weight_min_rows}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             p.append(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.master_port is not None and not 0 < self.master_port <= 65535:
@@ -282,6 +294,7 @@ _ENV_CONVERTERS: dict[str, Callable[[str], Any]] = {
     "kv_cache_space": _float,
     "max_model_len": _int,
     "enforce_eager": _bool,
+    "cpu_plain_weight_min_rows": _int,
     "port": _int,
     "tensor_parallel_size": _int,
     "nnodes": _int,

@@ -47,10 +47,24 @@ from .attention.paged_decode import PagedDecodeKernel
 from .config import ExecutorConfig
 from .kv_cache import KVCache, KVCacheShape, plan_num_blocks
 from .loader import load_model, read_spec
+from .models import packed_linear
+from .models.llama import Linear
 from .parallel import SINGLE, Ranks, TPGroup, broadcast, check_divisible, resolve_for_ranks, threads_per_rank
 from .sampling import new_random_seed, sample
 
 logger = logging.getLogger("chunkwise.executor")
+
+
+def _memory_available() -> int | None:
+    """Bytes of memory available to new allocations (Linux's MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 class PlanError(ValueError):
@@ -182,9 +196,7 @@ class ModelRunner:
         )
         # After num_parameters() above: packing frees the plain weights it counts.
         if self.device.type == "cpu":
-            packed = self.model.pack_linear_weights()
-            logger.info("linear layers: %s", "oneDNN with prepacked weights" if packed
-                        else "F.linear (oneDNN packing unavailable or refused by its self-check)")
+            self._pack_linear_layers(config.cpu_plain_weight_min_rows)
         # Built (compiled or loaded from inductor's on-disk cache) and checked here, before the
         # server reports ready, so that no request ever waits for a compile.
         self.decode_kernel: PagedDecodeKernel | None = None
@@ -198,6 +210,26 @@ class ModelRunner:
         self._requests: dict[str, _Request] = {}
         self.last_step_id: int | None = None  # the last plan executed since initialize()
         self.last_layout: BatchLayout | None = None  # the last step's layout (debugging, tests)
+
+    def _pack_linear_layers(self, plain_rows: int | None) -> None:
+        """oneDNN-packed linear weights, and plain second copies for batches of >= plain_rows
+        rows (None: packed_linear.auto_plain_min_rows), unless those would crowd memory."""
+        if plain_rows is None:
+            plain_rows = packed_linear.auto_plain_min_rows(self.dtype)
+        why = ""
+        linear_bytes = sum(m.weight.numel() * m.weight.element_size()
+                           for m in self.model.modules() if isinstance(m, Linear))
+        available = _memory_available()
+        if plain_rows and available is not None and linear_bytes > available // 4:
+            # A second copy of every linear weight is for speed only: never at the risk of swapping.
+            plain_rows, why = 0, (f" (no plain copies: the linear weights, {linear_bytes >> 20} MiB, are over "
+                                  f"1/4 of the memory available, {available >> 20} MiB)")
+        if not self.model.pack_linear_weights(plain_rows):
+            logger.info("linear layers: F.linear (oneDNN packing unavailable or refused by its self-check)")
+            return
+        logger.info("linear layers: oneDNN with prepacked weights%s", why or (
+            f"; for batches of >= {plain_rows} rows F.linear on a second, plain copy of the weights "
+            f"({self.model.plain_layers} layers, {self.model.plain_bytes >> 20} MiB)" if plain_rows else ""))
 
     # ------------------------------------------------------------------------------ public API
 

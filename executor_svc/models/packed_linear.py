@@ -10,6 +10,14 @@ unchanged (0.996): there torch's bf16 matmuls already go to oneDNN at near its p
 
 `pack` returns None (keep `F.linear`) off CPU, where torch has no oneDNN, or when the packed
 weight does not reproduce `F.linear` on a probe input: callers never depend on packing.
+
+Prefill-sized batches are another matter. The packed layout is tuned for decode batches, and on
+a Zen 3 (AVX2, float32) MKL's `F.linear` on the plain weight ran SmolLM2's layers 1.05-1.13x
+faster at 1024 rows, about even at 256-512 and slower below (bench/RESULTS.md). vLLM's CPU build
+packs one oneDNN copy too. Which library wins depends on the CPU's instruction set, so
+`plain_is_faster` times both here, once per layer shape, when the model is packed. Where plain
+wins, the layer keeps its plain weight as a second copy for batches of at least
+`--cpu-mkl-min-rows` rows (llama.py: `pack_linear_weights`).
 """
 
 from __future__ import annotations
@@ -41,6 +49,19 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor
     tol = 1e-4 if weight.dtype == torch.float32 else 2e-2
     scale = float(want.abs().max()) + 1.0
     return packed if bool((got.float() - want.float()).abs().max() <= tol * scale) else None
+
+
+# Batches from this many rows on go to the plain weight where `auto_plain_min_rows` keeps one.
+PLAIN_MIN_ROWS = 512
+
+
+def auto_plain_min_rows(dtype: torch.dtype) -> int:
+    """`--cpu-plain-weight-min-rows` when not given: PLAIN_MIN_ROWS for float32 on a CPU whose
+    best vector unit is AVX2 (where MKL was measured ahead), else 0. In bfloat16 `F.linear` goes to
+    oneDNN too, and with AVX-512 oneDNN's packed kernels were not measured behind: no second copy."""
+    if dtype == torch.float32 and torch.backends.cpu.get_cpu_capability() == "AVX2":
+        return PLAIN_MIN_ROWS
+    return 0
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -32,8 +32,8 @@ VARIANTS = {
 }
 
 
-def full_prompt_logits(path, tokens, packed=True):
-    runner = make_runner(path, block_size=16, num_kv_blocks=16)
+def full_prompt_logits(path, tokens, packed=True, **config):
+    runner = make_runner(path, block_size=16, num_kv_blocks=16, **config)
     # On CPU every linear layer and lm_head run through oneDNN with prepacked weights (see
     # packed_linear.py), unless packing was refused: the parity below is then F.linear's.
     layers = [m for m in runner.model.modules() if isinstance(m, Linear)]
@@ -68,6 +68,52 @@ def test_full_prompt_logits_match_transformers_without_packed_weights(tiny_check
     tokens = random_tokens(150, seed=7)
     _, ours = full_prompt_logits(path, tokens, packed=False)
     torch.testing.assert_close(ours, hf_logits(load_reference(path), tokens), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa-untied", "llama-mqa-bias"])
+def test_large_batches_on_the_plain_weights_match_transformers(tiny_checkpoint, variant, monkeypatch):
+    # With --cpu-plain-weight-min-rows every linear layer keeps both copies: the 150-row prefill
+    # goes through F.linear on the plain weights; the packed ones see only lm_head (over all 150
+    # rows here, for the logits compared) and packing's own 3-row self-checks.
+    packed_rows = []
+    real = packed_linear.linear
+    monkeypatch.setattr(packed_linear, "linear", lambda x, p, bias: packed_rows.append(x.shape[0]) or real(x, p, bias))
+    arch, overrides = VARIANTS[variant]
+    path = tiny_checkpoint(arch, **overrides)
+    tokens = random_tokens(150, seed=7)
+    result, ours = full_prompt_logits(path, tokens, cpu_plain_weight_min_rows=64)
+    assert packed_rows.count(150) == 1 and set(packed_rows) == {3, 150}
+    torch.testing.assert_close(ours, hf_logits(load_reference(path), tokens), atol=ATOL, rtol=0)
+    # The threshold splits the same layer: one row below it goes to the packed copy, and agrees.
+    runner = make_runner(path, block_size=16, num_kv_blocks=16, cpu_plain_weight_min_rows=64)
+    layer = runner.model.layers[0].mlp.down_proj
+    assert layer.packed is not None and layer.weight.numel() and layer.plain_min_rows == 64
+    assert runner.model.plain_layers == 4 * len(runner.model.layers) and runner.model.plain_bytes > 0
+    x = torch.randn(64, layer.weight.shape[1])
+    with torch.inference_mode():
+        packed_rows.clear()
+        torch.testing.assert_close(layer(x[:63]), layer(x)[:63], atol=1e-5, rtol=0)
+    assert packed_rows == [63]
+
+
+def test_plain_weight_copies_follow_the_cpu_and_dtype_and_yield_to_memory(tiny_llama_path, monkeypatch):
+    import executor_svc.engine as engine
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert packed_linear.auto_plain_min_rows(torch.float32) == packed_linear.PLAIN_MIN_ROWS
+    assert packed_linear.auto_plain_min_rows(torch.bfloat16) == 0  # F.linear is oneDNN in bf16 too
+    assert make_runner(tiny_llama_path).model.plain_layers > 0  # auto on this "CPU"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert packed_linear.auto_plain_min_rows(torch.float32) == 0
+    runner = make_runner(tiny_llama_path)
+    assert runner.model.plain_layers == 0
+    assert all(m.weight.numel() == 0 for m in runner.model.modules() if isinstance(m, Linear))
+    # Asked for, but the second copies would take over 1/4 of the memory available: one copy only.
+    monkeypatch.setattr(engine, "_memory_available", lambda: 1 << 20)
+    runner = make_runner(tiny_llama_path, cpu_plain_weight_min_rows=64)
+    assert runner.model.plain_layers == 0 and runner.model.plain_bytes == 0
+    monkeypatch.setattr(engine, "_memory_available", lambda: 1 << 40)
+    assert make_runner(tiny_llama_path, cpu_plain_weight_min_rows=64).model.plain_layers > 0
 
 
 def test_a_packed_weight_that_does_not_reproduce_f_linear_is_refused(monkeypatch):
