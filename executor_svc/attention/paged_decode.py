@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from chunkwise.plan import cdiv
 
@@ -121,12 +122,17 @@ def paged_decode_reference(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.
     length = slots.shape[1]
     valid = (torch.arange(length, device=q.device)[None, :] < lens[:, None])[:, :, None, None]  # [B, L, 1, 1]
     qf = q.float().view(b, 1, kvh, h // kvh, d)
-    keys = k_flat[slots].float().view(b, length, kvh, 1, d)
+    # k_flat[slots], written as an embedding lookup: the same rows, but compiled, an index into
+    # k_flat[...] is wrapped if negative at every load (a test and a conditional move in the
+    # innermost loops), and an embedding index is not (~7% of the kernel in float32,
+    # bench/RESULTS.md). Slot ids are never negative: check_slots checks them once per step.
+    keys = F.embedding(slots, k_flat.flatten(1)).float().view(b, length, kvh, 1, d)
     scores = (qf * keys).sum(-1) * scale  # [B, L, KVH, G]
     scores = scores.masked_fill(~valid, float("-inf"))
     weights = torch.exp(scores - scores.amax(1, keepdim=True))
     denom = weights.sum(1)  # [B, KVH, G]
-    values = torch.where(valid, v_flat[slots].float(), 0.0).view(b, length, kvh, 1, d)
+    values = F.embedding(slots, v_flat.flatten(1)).float().view(b, length, kvh, d)
+    values = torch.where(valid, values, 0.0).view(b, length, kvh, 1, d)
     out = (weights.unsqueeze(-1) * values).sum(1) / denom.unsqueeze(-1)  # [B, KVH, G, D]
     return out.reshape(b, h, d).to(q.dtype)
 

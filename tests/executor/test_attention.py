@@ -224,8 +224,10 @@ def test_paged_decode_runs_every_loop_nest_in_parallel():
     assert small.count("omp for") >= 4 and "omp single" not in small, small
     plain = _jit_compiled_cpp({})
     assert "omp single" in plain or "omp for" not in plain
-    # Slot ids are bounds-checked once per step (check_slots), not at every load in the loops.
+    # Slot ids are bounds-checked once per step (check_slots), not at every load in the loops,
+    # and never wrapped as if negative (the gathers are embedding lookups, see the reference).
     assert "index out of bounds" in plain and "index out of bounds" not in code
+    assert " < 0;" not in code, code
 
 
 def test_the_kernel_package_is_built_once_and_then_loaded():
