@@ -269,6 +269,12 @@ async def main_async(ns) -> dict:
     common = ["--max-model-len", str(ns.max_model_len), "--max-num-batched-tokens", str(ns.budget),
               "--block-size", str(ns.block_size)]
     configs = [lt.ServerConfig(n, [*common, *shlex.split(CONFIGS[n])]) for n in ns.configs]
+    for spec in ns.variant:  # "NAME=CONFIG|EXECUTOR FLAGS": a config again, with executor flags of its own
+        name, _, rest = spec.partition("=")
+        base, _, flags = rest.partition("|")
+        if not name or base not in CONFIGS:
+            raise SystemExit(f"--variant {spec!r}: expected NAME=CONFIG|EXECUTOR FLAGS, CONFIG one of {list(CONFIGS)}")
+        configs.append(lt.ServerConfig(name, [*common, *shlex.split(CONFIGS[base])], shlex.split(flags)))
     names = [c.name for c in configs] + list(peers)
     stacks: dict[str, lt.ManagedStack] = {}
     vllms: dict[str, VllmServer] = {}
@@ -277,7 +283,7 @@ async def main_async(ns) -> dict:
     started = time.time()
     try:
         for c in configs:
-            log(f"starting chunkwise {c.name}: {' '.join(c.scheduler_args)}")
+            log(f"starting chunkwise {c.name}: {' '.join(c.scheduler_args)} {' '.join(c.executor_args)}")
             stacks[c.name] = await asyncio.to_thread(lt.ManagedStack, model, c, executor_args)
         for i, name in enumerate(p for p in VLLM_PEERS if p in peers):
             log(f"starting {name} (peers venv)")
@@ -381,6 +387,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--kv-gib", type=float, default=1.0, help="chunkwise KV cache GiB (vLLM gets twice: its own layout)")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=CONFIG|FLAGS",
+                   help="one more chunkwise stack: CONFIG's scheduler flags plus these executor flags, e.g. "
+                        "'CP+PC 1-copy=CP+PC|--cpu-plain-weight-min-rows 0' (repeatable)")
     p.add_argument("--peers", nargs="+", default=list(DEFAULT_PEERS), choices=[*PEERS, "none"])
     p.add_argument("--repeats", type=int, default=3, help="rounds (every config once per round)")
     p.add_argument("--hf-repeats", type=int, default=1, help="rounds that include the (slow) transformers peers")

@@ -11,7 +11,9 @@ mixed, prefill-only), the executor's CPU share (process CPU time / wall x thread
 means a core idled in a serial region), and with --profile a torch.profiler breakdown by
 operator family (matmul, attention, elementwise, ...) over the whole run. --compare-packing
 runs two runners in interleaved rounds, one with its linear layers on oneDNN's prepacked weights
-(the default on CPU) and one on F.linear, and reports the paired ratio; --compare-prefill-pieces
+(the default on CPU) and one on F.linear, and reports the paired ratio; --compare-plain-weights
+pits the default (prefill-sized batches on the plain weight where that was timed faster at
+start-up) against the packed copy alone (--cpu-plain-weight-min-rows 0); --compare-prefill-pieces
 likewise pits prefill attention in pieces of rows (the default on CPU) against one SDPA call per
 chunk.
 """
@@ -19,6 +21,7 @@ chunk.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import resource
 import statistics
@@ -27,7 +30,7 @@ import time
 from collections import defaultdict
 
 import torch
-from benchutil import write_json
+from benchutil import name_paged_kernel_in_profiles, write_json
 
 from chunkwise.model_source import resolve_model
 from chunkwise.plan import NewRequestData, RunningRequestDelta, SamplingParams, ScheduledChunk, StepPlan
@@ -41,8 +44,9 @@ from scheduler_svc.core.scheduler import Scheduler
 
 # Operator families of the profile, matched on the op name (first match wins).
 FAMILIES = (
-    # The one compiled graph of a step is the paged decode kernel ("Call CompiledFxGraph").
-    ("attention: paged decode kernel", ("CompiledFxGraph", "Torch-Compiled")),
+    # The paged decode kernel runs from an AOTInductor package, which the profiler does not see:
+    # benchutil.name_paged_kernel_in_profiles() wraps its calls in a record_function of this name.
+    ("attention: paged decode kernel", ("paged_decode_kernel",)),
     ("attention: sdpa", ("scaled_dot_product", "_flash_attention")),
     # mkldnn::_linear_pointwise: the linear layers on oneDNN's prepacked weights (packed_linear.py).
     ("matmul", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm", "mkldnn::_linear")),
@@ -95,30 +99,38 @@ def run(runner: ModelRunner, requests, budget: int, salt: str, profile: bool) ->
     out["step_list"] = steps
     if prof is not None:
         prof.__exit__(None, None, None)
-        fam: dict[str, float] = defaultdict(float)
-        top = []
-        for e in prof.key_averages():
-            if e.key.startswith("ProfilerStep"):
-                continue
-            self_ms = e.self_cpu_time_total / 1000
-            top.append((self_ms, e.key, e.count))
-            for name, keys in FAMILIES:
-                if any(k in e.key for k in keys):
-                    fam[name] += self_ms
-                    break
-            else:
-                fam["other"] += self_ms
-        total = sum(fam.values())
-        out["profile_self_ms"] = {k: round(v, 1) for k, v in sorted(fam.items(), key=lambda kv: -kv[1])}
-        out["profile_share"] = {k: round(v / total, 3) for k, v in out["profile_self_ms"].items()}
-        out["profile_top"] = [{"op": k, "self_ms": round(ms, 1), "count": n}
-                              for ms, k, n in sorted(top, reverse=True)[:25]]
+        out.update(summarize(prof))
     return out
 
 
-def decode_steps(runner: ModelRunner, batch: int, ctx: int, steps: int, tag: str) -> dict:
+def summarize(prof) -> dict:
+    """Self CPU time by operator family, and the top operators, of a finished profile."""
+    out: dict = {}
+    fam: dict[str, float] = defaultdict(float)
+    top = []
+    for e in prof.key_averages():
+        if e.key.startswith("ProfilerStep"):
+            continue
+        self_ms = e.self_cpu_time_total / 1000
+        top.append((self_ms, e.key, e.count))
+        for name, keys in FAMILIES:
+            if any(k in e.key for k in keys):
+                fam[name] += self_ms
+                break
+        else:
+            fam["other"] += self_ms
+    total = sum(fam.values())
+    out["profile_self_ms"] = {k: round(v, 1) for k, v in sorted(fam.items(), key=lambda kv: -kv[1])}
+    out["profile_share"] = {k: round(v / total, 3) for k, v in out["profile_self_ms"].items()}
+    out["profile_top"] = [{"op": k, "self_ms": round(ms, 1), "count": n}
+                          for ms, k, n in sorted(top, reverse=True)[:25]]
+    return out
+
+
+def decode_steps(runner: ModelRunner, batch: int, ctx: int, steps: int, tag: str, profile: bool = False) -> dict:
     """`batch` requests prefilled to `ctx` tokens, then `steps` decode steps of all of them
-    (each request's blocks contiguous; the time is the decode steps' median)."""
+    (each request's blocks contiguous; the time is the decode steps' median; the profile, if
+    asked for, covers the decode steps only)."""
     per = -(-(ctx + steps + 1) // 16)
     g = torch.Generator().manual_seed(0)
     state: dict[str, list[int]] = {}
@@ -132,6 +144,9 @@ def decode_steps(runner: ModelRunner, batch: int, ctx: int, steps: int, tag: str
         step += 1
         state[rid] = [ctx, runner.execute(plan).sampled[0].token_id]
     times = []
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
+    if prof is not None:
+        prof.__enter__()
     for _ in range(steps):
         plan = StepPlan(step_id=step, running=[RunningRequestDelta(r, [t], []) for r, (n, t) in state.items()],
                         chunks=[ScheduledChunk(r, n, 1, n, True) for r, (n, t) in state.items()])
@@ -140,7 +155,11 @@ def decode_steps(runner: ModelRunner, batch: int, ctx: int, steps: int, tag: str
         for s in runner.execute(plan).sampled:
             state[s.req_id] = [state[s.req_id][0] + 1, s.token_id]
         times.append(time.perf_counter() - t0)
-    return {"wall_s": statistics.median(times), "step_ms": 1000 * statistics.median(times), "batch": batch, "ctx": ctx}
+    out = {"wall_s": statistics.median(times), "step_ms": 1000 * statistics.median(times), "batch": batch, "ctx": ctx}
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        out.update(summarize(prof))
+    return out
 
 
 def _wall(runs: list[dict], rnd: int, name: str) -> float:
@@ -170,6 +189,10 @@ def report(label: str, r: dict) -> None:
           f"{r['steps']} steps, cpu share {r['cpu_share']:.0%}, hit rate {r['hit_rate']:.1%}", flush=True)
     for k, v in r["by_kind"].items():
         print(f"    {k:13s} {v['n']:3d} steps  {v['total_s']:6.2f} s  median {v['median_ms']:.0f} ms")
+    print_profile(r)
+
+
+def print_profile(r: dict) -> None:
     if "profile_share" in r:
         for k, v in r["profile_self_ms"].items():
             print(f"    {k:40s} {v / 1000:7.2f} s  {r['profile_share'][k]:.1%}")
@@ -190,6 +213,9 @@ def main(argv=None) -> int:
     p.add_argument("--compare-packing", action="store_true",
                    help="two runners, linear layers through oneDNN's prepacked weights and through F.linear, "
                         "in interleaved rounds, with the paired ratio")
+    p.add_argument("--compare-plain-weights", action="store_true",
+                   help="two runners, the default and one with --cpu-plain-weight-min-rows 0 (the packed "
+                        "weights serve every batch), in interleaved rounds, with the paired ratio")
     p.add_argument("--compare-prefill-pieces", action="store_true",
                    help="two runners, prefill attention in pieces of rows (the default) and one SDPA call per "
                         "chunk, in interleaved rounds, with the paired ratio")
@@ -209,8 +235,13 @@ def main(argv=None) -> int:
         packed_linear.available = available
     if ns.compare_prefill_pieces:
         runners = {"pieces": runners["default"], "one-call": ModelRunner(config)}
+    if ns.compare_plain_weights:
+        runners = {"plain-for-large": runners["default"],
+                   "packed-only": ModelRunner(dataclasses.replace(config, cpu_plain_weight_min_rows=0))}
     for r in runners.values():
         r.initialize(16)
+    if ns.profile:
+        name_paged_kernel_in_profiles()
     if ns.compare_prefill_pieces:
         runners["one-call"].backend.prefill_piece_rows = None
     first = next(iter(runners.values()))
@@ -223,16 +254,21 @@ def main(argv=None) -> int:
             runner = runners[name]
             runner.reset()  # the previous run's last finished requests (their drop rides on a next plan)
             if ns.decode:
-                r = decode_steps(runner, *ns.decode, steps=5, tag=f"r{i}-{name}")
+                r = decode_steps(runner, *ns.decode, steps=5, tag=f"r{i}-{name}",
+                                 profile=ns.profile and i == ns.repeats - 1)
                 print(f"round {i} {name}: decode step {ns.decode[0]} x {ns.decode[1]}: {r['step_ms']:.1f} ms", flush=True)
+                print_profile(r)
             else:
                 r = run(runner, requests, ns.budget, salt=f"r{i}-{name}", profile=ns.profile and i == ns.repeats - 1)
                 report(f"round {i} {name}", r)
             r.update(round=i, runner=name)
             runs.append(r)
     result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "dtype": str(first.dtype),
-              "threads": torch.get_num_threads(), "decode_attention": first.info.decode_attention, "runs": runs}
+              "threads": torch.get_num_threads(), "decode_attention": first.info.decode_attention,
+              "plain_weight_layers": {n: [r.model.plain_layers, r.model.plain_bytes >> 20] for n, r in runners.items()},
+              "runs": runs}
     for flag, base, new, key in ((ns.compare_packing, "F.linear", "packed", "plain_over_packed"),
+                                 (ns.compare_plain_weights, "packed-only", "plain-for-large", "packed_only_over_default"),
                                  (ns.compare_prefill_pieces, "one-call", "pieces", "one_call_over_pieces")):
         if flag:
             paired(result, runs, base, new, key, ns.repeats, kinds=() if ns.decode else ("mixed", "decode-only"))
