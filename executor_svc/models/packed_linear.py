@@ -11,13 +11,14 @@ unchanged (0.996): there torch's bf16 matmuls already go to oneDNN at near its p
 `pack` returns None (keep `F.linear`) off CPU, where torch has no oneDNN, or when the packed
 weight does not reproduce `F.linear` on a probe input: callers never depend on packing.
 
-Prefill-sized batches are another matter. The packed layout is tuned for decode batches, and on
-a Zen 3 (AVX2, float32) MKL's `F.linear` on the plain weight ran SmolLM2's layers 1.05-1.13x
-faster at 1024 rows, about even at 256-512 and slower below (bench/RESULTS.md). vLLM's CPU build
-packs one oneDNN copy too. Which library wins depends on the CPU's instruction set, so
-`plain_is_faster` times both here, once per layer shape, when the model is packed. Where plain
-wins, the layer keeps its plain weight as a second copy for batches of at least
-`--cpu-mkl-min-rows` rows (llama.py: `pack_linear_weights`).
+Prefill-sized batches are another matter in float32 on a CPU without AVX-512. The packed layout
+is tuned for decode batches, and on a Zen 3 (AVX2) MKL's `F.linear` on the plain weight ran
+SmolLM2's layers 1.05-1.13x faster at 1024 rows (about even at 256-512 rows, slower below), and
+the seed-shaped run 1.11x faster, paired (bench/RESULTS.md section 1). There each linear layer
+keeps its plain weight as a second copy, for batches of at least `--cpu-plain-weight-min-rows`
+rows (`auto_plain_min_rows`; llama.py: `pack_linear_weights`). vLLM's CPU build keeps one oneDNN
+copy. A choice timed per layer shape at start-up was tried first: on a shared 2-core machine
+the timings flipped between runs.
 """
 
 from __future__ import annotations
