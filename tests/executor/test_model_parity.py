@@ -81,7 +81,7 @@ def test_large_batches_on_the_plain_weights_match_transformers(tiny_checkpoint, 
     arch, overrides = VARIANTS[variant]
     path = tiny_checkpoint(arch, **overrides)
     tokens = random_tokens(150, seed=7)
-    result, ours = full_prompt_logits(path, tokens, cpu_plain_weight_min_rows=64)
+    _, ours = full_prompt_logits(path, tokens, cpu_plain_weight_min_rows=64)
     assert packed_rows.count(150) == 1 and set(packed_rows) == {3, 150}
     torch.testing.assert_close(ours, hf_logits(load_reference(path), tokens), atol=ATOL, rtol=0)
     # The threshold splits the same layer: one row below it goes to the packed copy, and agrees.
