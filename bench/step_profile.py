@@ -12,8 +12,8 @@ means a core idled in a serial region), and with --profile a torch.profiler brea
 operator family (matmul, attention, elementwise, ...) over the whole run. --compare-packing
 runs two runners in interleaved rounds, one with its linear layers on oneDNN's prepacked weights
 (the default on CPU) and one on F.linear, and reports the paired ratio; --compare-plain-weights
-pits the default (prefill-sized batches on the plain weight where that was timed faster at
-start-up) against the packed copy alone (--cpu-plain-weight-min-rows 0); --compare-prefill-pieces
+pits the default (in float32 on an AVX2 CPU, prefill-sized batches on a second, plain copy of
+the weights) against the packed copy alone (--cpu-plain-weight-min-rows 0); --compare-prefill-pieces
 likewise pits prefill attention in pieces of rows (the default on CPU) against one SDPA call per
 chunk.
 """

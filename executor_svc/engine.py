@@ -217,13 +217,14 @@ class ModelRunner:
         if plain_rows is None:
             plain_rows = packed_linear.auto_plain_min_rows(self.dtype)
         why = ""
-        linear_bytes = sum(m.weight.numel() * m.weight.element_size()
-                           for m in self.model.modules() if isinstance(m, Linear))
-        available = _memory_available()
-        if plain_rows and available is not None and linear_bytes > available // 4:
-            # A second copy of every linear weight is for speed only: never at the risk of swapping.
-            plain_rows, why = 0, (f" (no plain copies: the linear weights, {linear_bytes >> 20} MiB, are over "
-                                  f"1/4 of the memory available, {available >> 20} MiB)")
+        if plain_rows:
+            linear_bytes = sum(m.weight.numel() * m.weight.element_size()
+                               for m in self.model.modules() if isinstance(m, Linear))
+            available = _memory_available()
+            if available is not None and linear_bytes > available // 4:
+                # A second copy of every linear weight is for speed only: never at the risk of swapping.
+                plain_rows, why = 0, (f" (no plain copies: the linear weights, {linear_bytes >> 20} MiB, are "
+                                      f"over 1/4 of the memory available, {available >> 20} MiB)")
         if not self.model.pack_linear_weights(plain_rows):
             logger.info("linear layers: F.linear (oneDNN packing unavailable or refused by its self-check)")
             return
