@@ -247,6 +247,9 @@ def flatten_server_run(result: dict) -> dict:
         "executor_ms_per_step": ov.get("executor_ms_per_step"),
         "steps": ov.get("steps"),
         "executor_cpu_utilization": ov.get("executor_cpu_utilization"),
+        # Pages the executor's kernel side mapped and zeroed in the run, and its system CPU time.
+        "executor_minor_faults": ov.get("executor_minor_faults"),
+        "executor_system_seconds": ov.get("executor_system_seconds"),
     }
 
 

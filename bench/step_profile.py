@@ -75,7 +75,7 @@ def run(runner: ModelRunner, requests, budget: int, salt: str, profile: bool) ->
     if profile:
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         prof.__enter__()
-    t0, c0 = time.perf_counter(), cpu_seconds()
+    t0, c0, u0 = time.perf_counter(), cpu_seconds(), resource.getrusage(resource.RUSAGE_SELF)
     tokens = 0
     while sched.has_work():
         plan = sched.schedule()
@@ -88,8 +88,10 @@ def run(runner: ModelRunner, requests, budget: int, salt: str, profile: bool) ->
         tokens += sum(c.num_tokens for c in plan.chunks)
         kind = "decode-only" if prefill == 0 else ("prefill-only" if decodes == 0 else "mixed")
         steps.append({"kind": kind, "decodes": decodes, "prefill_tokens": prefill, "ms": 1000 * dt})
-    wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    wall, cpu, u1 = time.perf_counter() - t0, cpu_seconds() - c0, resource.getrusage(resource.RUSAGE_SELF)
     out: dict = {"wall_s": wall, "cpu_share": cpu / (wall * torch.get_num_threads()), "steps": len(steps),
+                 # Pages the kernel had to map (and zero) during the run, and the kernel's CPU time.
+                 "minor_faults": u1.ru_minflt - u0.ru_minflt, "sys_s": round(u1.ru_stime - u0.ru_stime, 2),
                  "tokens": tokens, "tok_per_s": tokens / wall, "hit_rate": sched.stats().prefix_cache_hit_rate}
     by_kind: dict[str, list[float]] = defaultdict(list)
     for s in steps:
@@ -186,7 +188,8 @@ def paired(result: dict, runs: list[dict], base: str, new: str, key: str, repeat
 
 def report(label: str, r: dict) -> None:
     print(f"{label}: {r['wall_s']:.2f} s, {r['tok_per_s']:.0f} tok/s (prompt+output computed), "
-          f"{r['steps']} steps, cpu share {r['cpu_share']:.0%}, hit rate {r['hit_rate']:.1%}", flush=True)
+          f"{r['steps']} steps, cpu share {r['cpu_share']:.0%}, hit rate {r['hit_rate']:.1%}, "
+          f"{r['minor_faults']} page faults, {r['sys_s']} s system time", flush=True)
     for k, v in r["by_kind"].items():
         print(f"    {k:13s} {v['n']:3d} steps  {v['total_s']:6.2f} s  median {v['median_ms']:.0f} ms")
     print_profile(r)

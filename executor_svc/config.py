@@ -50,6 +50,9 @@ class ExecutorConfig:
     # of its oneDNN-packed copy, so every linear layer holds both (packed_linear.py). 0: the packed
     # copy only. None (auto): 512 in float32 on an AVX2 CPU without AVX-512, else 0.
     cpu_plain_weight_min_rows: int | None = None
+    # CPU: glibc keeps the memory a step frees for the next step instead of returning it to the
+    # kernel and faulting it in again (cpu_malloc.py). False: glibc's defaults.
+    cpu_keep_freed_memory: bool = True
     # Tensor parallelism on one host: this process is rank 0 and starts the others, which meet at
     # master_addr:master_port (torch.distributed's rendezvous; None: a free port on loopback).
     tensor_parallel_size: int = 1
@@ -95,6 +98,10 @@ class ExecutorConfig:
                             "(F.linear: MKL in float32, faster than the oneDNN-packed copy at prefill-sized "
                             "batches on AVX2 CPUs); costs the linear weights twice in memory; 0: the packed "
                             "copy only (default: 512 in float32 on a CPU without AVX-512, else 0)")
+        g.add_argument("--cpu-keep-freed-memory", default=s, action=argparse.BooleanOptionalAction,
+                       help="CPU: glibc keeps what a step frees (blocks under 32 MiB, up to 1 GiB of the heap's "
+                            "top) for the next step, instead of returning it to the kernel and faulting it in "
+                            "again (default: on; --no-cpu-keep-freed-memory: glibc's defaults)")
         g.add_argument("--tensor-parallel-size", "-tp", default=s, type=int, metavar="N",
                        help="shard the model over N ranks (processes) on this host: query/KV heads and the MLP "
                             "split N ways, gloo on CPU, NCCL on CUDA (1)")
@@ -295,6 +302,7 @@ _ENV_CONVERTERS: dict[str, Callable[[str], Any]] = {
     "max_model_len": _int,
     "enforce_eager": _bool,
     "cpu_plain_weight_min_rows": _int,
+    "cpu_keep_freed_memory": _bool,
     "port": _int,
     "tensor_parallel_size": _int,
     "nnodes": _int,

@@ -41,6 +41,7 @@ from chunkwise.plan import (
     validate_chunk_geometry,
 )
 
+from . import cpu_malloc
 from .attention import (AttentionBackend, BatchLayout, FlexAttentionBackend, StepAttention, TorchAttentionBackend,
                         select_backend)
 from .attention.paged_decode import PagedDecodeKernel
@@ -204,6 +205,9 @@ class ModelRunner:
             self.decode_kernel = PagedDecodeKernel(self.num_heads, self.num_kv_heads, self.spec.head_dim,
                                                    self.dtype, self.device, config.enforce_eager)
             logger.info("decode attention: %s", self.decode_kernel.reason)
+        if self.device.type == "cpu" and config.cpu_keep_freed_memory:
+            # Last: what loading, packing and the kernel's build freed goes back to the kernel first.
+            logger.info("memory: %s", cpu_malloc.keep_freed_memory())
         self.kv_cache: KVCache | None = None
         self.backend: AttentionBackend | None = None
         self.block_size: int | None = None

@@ -62,6 +62,7 @@ from chunkwise_tools.loadtest.metrics import (
     compute_metrics,
     percentile,
     process_cpu_seconds,
+    process_faults_and_system_seconds,
     spread,
     stats_delta,
     step_overhead,
@@ -77,6 +78,7 @@ __all__ = [
     "ChunkwiseBackend", "ManagedStack", "OpenAIBackend", "RequestRecord", "ServerConfig", "StreamTimer",
     "arrival_offsets", "build_parser", "check_loopback", "compute_metrics", "dataset_summary", "format_table",
     "jsonl_dataset", "main", "model_vocab_size", "multi_turn_dataset", "parse_config", "parse_prometheus", "percentile",
-    "process_cpu_seconds", "random_dataset", "round_orders", "run_compare", "run_load", "scrape_prometheus",
-    "spread", "stats_delta", "step_overhead", "summarize", "summarize_runs", "warmup_requests", "write_plots",
+    "process_cpu_seconds", "process_faults_and_system_seconds", "random_dataset", "round_orders", "run_compare",
+    "run_load", "scrape_prometheus", "spread", "stats_delta", "step_overhead", "summarize", "summarize_runs",
+    "warmup_requests", "write_plots",
 ]

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from chunkwise_tools.loadtest.backends import ChunkwiseBackend
 from chunkwise_tools.loadtest.datasets import BenchRequest
-from chunkwise_tools.loadtest.metrics import process_cpu_seconds, spread
+from chunkwise_tools.loadtest.metrics import process_cpu_seconds, process_faults_and_system_seconds, spread
 from chunkwise_tools.loadtest.prometheus import scrape_prometheus
 from chunkwise_tools.loadtest.run import run_load, warmup_requests
 
@@ -57,12 +57,15 @@ class ManagedStack:
         if not self.metrics_url:
             return None
         m = scrape_prometheus(self.metrics_url)
+        faults_sys = process_faults_and_system_seconds(self.stack.executor.popen.pid) or (None, None)
         return {
             "steps": m.get("chunkwise:step_duration_seconds_count"),
             "step_seconds": m.get("chunkwise:step_duration_seconds_sum"),
             "executor_seconds": m.get("chunkwise:executor_step_duration_seconds_sum"),
             "executor_cpu_seconds": process_cpu_seconds(self.stack.executor.popen.pid),
             "scheduler_cpu_seconds": process_cpu_seconds(self.stack.scheduler.popen.pid),
+            "executor_minor_faults": faults_sys[0],
+            "executor_system_seconds": faults_sys[1],
         }
 
     def stop(self) -> None:

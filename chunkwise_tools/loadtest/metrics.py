@@ -163,6 +163,17 @@ def process_cpu_seconds(pid: int) -> float | None:
         return None
 
 
+def process_faults_and_system_seconds(pid: int) -> tuple[int, float] | None:
+    """Minor page faults (pages the kernel mapped and zeroed) and system CPU time of a process
+    from /proc; None where unavailable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return int(fields[7]), int(fields[12]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def step_overhead(before: dict | None, after: dict | None, duration: float) -> dict | None:
     """Where the run's wall time went, from the step-time counters.
 
@@ -195,6 +206,9 @@ def step_overhead(before: dict | None, after: dict | None, duration: float) -> d
         if b is not None and a is not None:
             cpu[who] = a - b
             out[f"{who}_cpu_seconds"] = a - b
+    for key in ("executor_minor_faults", "executor_system_seconds"):
+        if before.get(key) is not None and after.get(key) is not None:
+            out[key] = after[key] - before[key]
     if "executor" in cpu:
         # Below ~0.9 on a saturated run, the executor was not getting all cores (other load).
         out["executor_cpu_utilization"] = cpu["executor"] / (d * (os.cpu_count() or 1))

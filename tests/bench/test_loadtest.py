@@ -205,6 +205,22 @@ def test_step_overhead():
 
     assert ov["executor_cpu_utilization"] == pytest.approx(10.0 / (10.0 * (os.cpu_count() or 1)))
     assert lt.step_overhead(None, after, 1.0) is None
+    assert "executor_minor_faults" not in ov
+    before |= {"executor_minor_faults": 500, "executor_system_seconds": 0.5}
+    after |= {"executor_minor_faults": 2500, "executor_system_seconds": 2.0}
+    ov = lt.step_overhead(before, after, duration=10.0)
+    assert ov["executor_minor_faults"] == 2000 and ov["executor_system_seconds"] == pytest.approx(1.5)
+
+
+def test_process_faults_and_system_seconds_read_this_process():
+    import os
+    import resource
+
+    faults, system = lt.process_faults_and_system_seconds(os.getpid())
+    mine = resource.getrusage(resource.RUSAGE_SELF)
+    assert 0 < faults <= mine.ru_minflt  # /proc's count first, getrusage's after it: never fewer
+    assert 0 <= system <= mine.ru_stime + 0.02
+    assert lt.process_faults_and_system_seconds(2**22 + 12345) is None  # no such process
 
 
 def test_round_orders_rotate():

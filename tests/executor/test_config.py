@@ -111,6 +111,13 @@ def test_cpu_plain_weight_min_rows_flag_env_and_checks():
         parse(["--cpu-plain-weight-min-rows", "-1"])
 
 
+def test_cpu_keep_freed_memory_flag_and_env():
+    assert parse([]).cpu_keep_freed_memory is True
+    assert parse(["--no-cpu-keep-freed-memory"]).cpu_keep_freed_memory is False
+    assert parse(["--cpu-keep-freed-memory"], {"CHUNKWISE_CPU_KEEP_FREED_MEMORY": "0"}).cpu_keep_freed_memory is True
+    assert ExecutorConfig.from_args([], env={"CHUNKWISE_CPU_KEEP_FREED_MEMORY": "off"}).cpu_keep_freed_memory is False
+
+
 def test_enforce_eager_flag_and_env():
     assert parse([]).enforce_eager is False
     assert parse(["--enforce-eager"]).enforce_eager is True
