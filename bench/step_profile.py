@@ -15,7 +15,9 @@ runs two runners in interleaved rounds, one with its linear layers on oneDNN's p
 pits the default (in float32 on an AVX2 CPU, prefill-sized batches on a second, plain copy of
 the weights) against the packed copy alone (--cpu-plain-weight-min-rows 0); --compare-prefill-pieces
 likewise pits prefill attention in pieces of rows (the default on CPU) against one SDPA call per
-chunk.
+chunk. Each run reports the page faults and system time it took; --no-cpu-keep-freed-memory
+leaves glibc's malloc thresholds at their defaults (executor_svc/cpu_malloc.py), process-wide, so
+that A/B alternates processes rather than runners.
 """
 
 from __future__ import annotations
@@ -213,6 +215,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="rounds")
     p.add_argument("--profile", action="store_true", help="also a torch.profiler breakdown (of the last round)")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-cpu-keep-freed-memory", action="store_true",
+                   help="glibc's malloc defaults (process-wide, so an A/B alternates processes)")
     p.add_argument("--compare-packing", action="store_true",
                    help="two runners, linear layers through oneDNN's prepacked weights and through F.linear, "
                         "in interleaved rounds, with the paired ratio")
@@ -229,7 +233,7 @@ def main(argv=None) -> int:
 
     model_dir = str(resolve_model(ns.model))
     config = ExecutorConfig(model=model_dir, dtype=ns.dtype, max_model_len=1024, kv_cache_space=1.0,
-                            enforce_eager=ns.enforce_eager)
+                            enforce_eager=ns.enforce_eager, cpu_keep_freed_memory=not ns.no_cpu_keep_freed_memory)
     runners = {"default": ModelRunner(config)}
     if ns.compare_packing:  # a second runner whose linear layers stay on F.linear
         runners = {"packed": runners["default"]}
@@ -268,6 +272,7 @@ def main(argv=None) -> int:
             runs.append(r)
     result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "dtype": str(first.dtype),
               "threads": torch.get_num_threads(), "decode_attention": first.info.decode_attention,
+              "cpu_keep_freed_memory": not ns.no_cpu_keep_freed_memory,
               "plain_weight_layers": {n: [r.model.plain_layers, r.model.plain_bytes >> 20] for n, r in runners.items()},
               "runs": runs}
     for flag, base, new, key in ((ns.compare_packing, "F.linear", "packed", "plain_over_packed"),
