@@ -12,8 +12,9 @@ prompt shape is the seed's (637 tokens, 180 shared by each of 8 groups: 20.7% of
 tokens can hit). All requests are sent at once (the seed's offline throughput setting); EOS is
 ignored so every request makes exactly --output-len tokens.
 
-Configs, each its own chunkwise stack started once and kept up: neither, CP-only, PC-only,
-CP+PC; peers in the same run, on the same token ids: vLLM's CPU build (its default, CP+PC, as
+Configs, each its own chunkwise stack started once and kept up (--restart-servers: restarted
+before each of its runs, since a stack's speed can stay off by itself for the life of its
+processes): neither, CP-only, PC-only, CP+PC; peers in the same run, on the same token ids: vLLM's CPU build (its default, CP+PC, as
 an OpenAI server), transformers `generate` on left-padded batches, transformers'
 continuous-batching `generate_batch`. Every round runs every config once, in an order rotated
 round by round; each run has its own prefix-cache salt, so the cache never carries over between
@@ -284,19 +285,32 @@ async def main_async(ns) -> dict:
     runs: list[dict] = []
     raw: list[dict] = []
     started = time.time()
-    try:
-        for c in configs:
+    by_name = {c.name: c for c in configs}
+    vllm_ports = {name: ns.vllm_port + i for i, name in enumerate(p for p in VLLM_PEERS if p in peers)}
+
+    async def start(name: str) -> None:
+        if name in by_name:
+            c = by_name[name]
             log(f"starting chunkwise {c.name}: {' '.join(c.scheduler_args)} {' '.join(c.executor_args)}")
-            stacks[c.name] = await asyncio.to_thread(lt.ManagedStack, model, c, executor_args)
-        for i, name in enumerate(p for p in VLLM_PEERS if p in peers):
+            stacks[name] = await asyncio.to_thread(lt.ManagedStack, model, c, executor_args)
+        else:
             log(f"starting {name} (peers venv)")
-            vllms[name] = await asyncio.to_thread(VllmServer, model, ns.vllm_port + i, ns.dtype, ns.budget,
+            vllms[name] = await asyncio.to_thread(VllmServer, model, vllm_ports[name], ns.dtype, ns.budget,
                                                   ns.max_model_len, ns.kv_gib * 2, all_cores=name != "vllm",
                                                   eager=name != "vllm-allcores-compiled")
+
+    try:
+        for name in [*by_name, *vllm_ports]:
+            await start(name)
         for rnd, order in enumerate(lt.round_orders(names, ns.repeats, True)):
             for name in order:
                 if name.startswith("hf-") and rnd >= ns.hf_repeats:
                     continue
+                if ns.restart_servers and rnd > 0 and (name in stacks or name in vllms):
+                    # Fresh processes for every run: a server's speed can stay off by itself for
+                    # the life of its processes (RESULTS.md section 1), which a round cannot pair away.
+                    await asyncio.to_thread((stacks.pop(name) if name in stacks else vllms.pop(name)).stop)
+                    await start(name)
                 load_before = os.getloadavg()
                 salt = f"seed-r{rnd}-{name}"
                 if name in stacks:
@@ -367,6 +381,7 @@ async def main_async(ns) -> dict:
         },
         "configs": {c.name: c.scheduler_args for c in configs},
         "executor_args": executor_args,
+        "restart_servers": ns.restart_servers,
         "vllm": {name: {"version": v.version, "command": v.cmd, "env": v.env} for name, v in vllms.items()} or None,
         "baseline": baseline,
         "summary": summary,
@@ -401,6 +416,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-duration", type=float, default=900.0, help="per run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-requests", action="store_true", help="keep per-request records in the JSON")
+    p.add_argument("--restart-servers", action="store_true",
+                   help="restart every chunkwise stack and vLLM server before each of its runs after the first "
+                        "(fresh processes per run; costs a start-up per run, vLLM's compile included)")
     p.add_argument("--json", default=None)
     p.add_argument("--min-cpu-share", type=float, default=0.75,
                    help="runs whose server got less CPU than this share of the cores count as contended")
