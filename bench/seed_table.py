@@ -14,9 +14,9 @@ ignored so every request makes exactly --output-len tokens.
 
 Configs, each its own chunkwise stack started once and kept up (--restart-servers: restarted
 before each of its runs, since a stack's speed can stay off by itself for the life of its
-processes): neither, CP-only, PC-only, CP+PC; peers in the same run, on the same token ids: vLLM's CPU build (its default, CP+PC, as
-an OpenAI server), transformers `generate` on left-padded batches, transformers'
-continuous-batching `generate_batch`. Every round runs every config once, in an order rotated
+processes): neither, CP-only, PC-only, CP+PC; peers in the same run, on the same token ids:
+vLLM's CPU build (its default, CP+PC, as an OpenAI server), transformers `generate` on
+left-padded batches, transformers' continuous-batching `generate_batch`. Every round runs every config once, in an order rotated
 round by round; each run has its own prefix-cache salt, so the cache never carries over between
 runs. Ratios are paired: config / "neither" in the same round, median and range over rounds.
 

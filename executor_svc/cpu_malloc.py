@@ -21,7 +21,8 @@ Blocks above 32 MiB (glibc refuses a larger fixed threshold) are still mapped pe
 of models much larger than the default model's at 1024-row batches. vLLM's CPU documentation
 recommends preloading tcmalloc (for faster allocation and better cache locality, in its words);
 that needs a system library and an LD_PRELOAD set before the process starts, where these are
-glibc's own documented `mallopt` parameters, set from inside the process. Off glibc (musl, macOS) nothing is changed, and the reason is logged.
+glibc's own documented `mallopt` parameters, set from inside the process. Off glibc (musl,
+macOS) nothing is changed, and the reason is logged.
 """
 
 from __future__ import annotations

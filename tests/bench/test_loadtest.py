@@ -218,7 +218,8 @@ def test_process_faults_and_system_seconds_read_this_process():
 
     faults, system = lt.process_faults_and_system_seconds(os.getpid())
     mine = resource.getrusage(resource.RUSAGE_SELF)
-    assert 0 < faults <= mine.ru_minflt  # /proc's count first, getrusage's after it: never fewer
+    # /proc's count first, getrusage's just after it: the same counter, a few faults apart at most.
+    assert 0.9 * mine.ru_minflt <= faults <= mine.ru_minflt
     assert 0 <= system <= mine.ru_stime + 0.02
     assert lt.process_faults_and_system_seconds(2**22 + 12345) is None  # no such process
 
