@@ -60,11 +60,6 @@ FAMILIES = (
 )
 
 
-def cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def run(runner: ModelRunner, requests, budget: int, salt: str, profile: bool) -> dict:
     sched_cfg = SchedulerConfig(max_model_len=runner.max_model_len, block_size=16, max_num_batched_tokens=budget,
                                 enable_prefix_caching=True, enable_chunked_prefill=True)
@@ -77,7 +72,7 @@ def run(runner: ModelRunner, requests, budget: int, salt: str, profile: bool) ->
     if profile:
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         prof.__enter__()
-    t0, c0, u0 = time.perf_counter(), cpu_seconds(), resource.getrusage(resource.RUSAGE_SELF)
+    t0, u0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     tokens = 0
     while sched.has_work():
         plan = sched.schedule()
@@ -90,7 +85,8 @@ def run(runner: ModelRunner, requests, budget: int, salt: str, profile: bool) ->
         tokens += sum(c.num_tokens for c in plan.chunks)
         kind = "decode-only" if prefill == 0 else ("prefill-only" if decodes == 0 else "mixed")
         steps.append({"kind": kind, "decodes": decodes, "prefill_tokens": prefill, "ms": 1000 * dt})
-    wall, cpu, u1 = time.perf_counter() - t0, cpu_seconds() - c0, resource.getrusage(resource.RUSAGE_SELF)
+    wall, u1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (u1.ru_utime + u1.ru_stime) - (u0.ru_utime + u0.ru_stime)
     out: dict = {"wall_s": wall, "cpu_share": cpu / (wall * torch.get_num_threads()), "steps": len(steps),
                  # Pages the kernel had to map (and zero) during the run, and the kernel's CPU time.
                  "minor_faults": u1.ru_minflt - u0.ru_minflt, "sys_s": round(u1.ru_stime - u0.ru_stime, 2),

@@ -153,25 +153,30 @@ def spread(values: Sequence[float]) -> dict:
     }
 
 
-def process_cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a process (all its threads) from /proc; None where unavailable."""
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first); None where unavailable."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+            return f.read().rpartition(")")[2].split()
+    except OSError:
         return None
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process (all its threads) from /proc; None where unavailable."""
+    fields = _proc_stat(pid)
+    if not fields or len(fields) < 13:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def process_faults_and_system_seconds(pid: int) -> tuple[int, float] | None:
     """Minor page faults (pages the kernel mapped and zeroed) and system CPU time of a process
     from /proc; None where unavailable."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        return int(fields[7]), int(fields[12]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+    fields = _proc_stat(pid)
+    if not fields or len(fields) < 13:
         return None
+    return int(fields[7]), int(fields[12]) / os.sysconf("SC_CLK_TCK")
 
 
 def step_overhead(before: dict | None, after: dict | None, duration: float) -> dict | None:

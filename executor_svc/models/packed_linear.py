@@ -14,7 +14,8 @@ weight does not reproduce `F.linear` on a probe input: callers never depend on p
 Prefill-sized batches are another matter in float32 on a CPU without AVX-512. The packed layout
 is tuned for decode batches, and on a Zen 3 (AVX2) MKL's `F.linear` on the plain weight ran
 SmolLM2's layers 1.05-1.13x faster at 1024 rows (about even at 256-512 rows, slower below), and
-the seed-shaped run 1.045-1.08x faster, paired (bench/RESULTS.md section 1). There each linear layer
+the seed-shaped run 1.065-1.079x faster in process, paired; in served runs with fresh processes
+no effect showed (bench/RESULTS.md section 1), so a longer run should decide. There each linear layer
 keeps its plain weight as a second copy, for batches of at least `--cpu-plain-weight-min-rows`
 rows (`auto_plain_min_rows`; llama.py: `pack_linear_weights`). vLLM's CPU build keeps one oneDNN
 copy. A choice timed per layer shape at start-up was tried first: on a shared 2-core machine
