@@ -23,6 +23,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
+# `make test` runs the suite in pytest-xdist workers. Each worker, and every executor its tests
+# start, would otherwise run one OpenMP thread per core: with two workers that is twice as many
+# spinning threads as cores, and a step stalls whenever a thread waits on one that is descheduled
+# (measured: some e2e tests 5-10x slower, the suite barely faster). So the cores are shared out:
+# set before torch is imported here, inherited by the processes the tests start.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS)))
+
 
 def pytest_configure(config: pytest.Config) -> None:
     try:
