@@ -85,6 +85,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One call, bit for bit the formula below in float32 (not in bf16, where torch's
+            # op rounds after the weight multiply and the reference before it).
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -104,10 +108,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        qk_size = self.q_size + self.kv_size
+        # q's and k's heads are adjacent in qkv: rotated in one call, then split as views.
+        qk = apply_rotary(qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
         out = attend(self.layer_idx, q, k, v)
         return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
