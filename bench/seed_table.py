@@ -407,7 +407,7 @@ def main(argv=None) -> int:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--variant", action="append", default=[], metavar="NAME=CONFIG|FLAGS",
                    help="one more chunkwise stack: CONFIG's scheduler flags plus these executor flags, e.g. "
-                        "'CP+PC 1-copy=CP+PC|--cpu-plain-weight-min-rows 0' (repeatable)")
+                        "'CP+PC 2-copies=CP+PC|--cpu-plain-weight-min-rows 512' (repeatable)")
     p.add_argument("--peers", nargs="+", default=list(DEFAULT_PEERS), choices=[*PEERS, "none"])
     p.add_argument("--repeats", type=int, default=3, help="rounds (every config once per round)")
     p.add_argument("--hf-repeats", type=int, default=1, help="rounds that include the (slow) transformers peers")

@@ -12,8 +12,8 @@ means a core idled in a serial region), and with --profile a torch.profiler brea
 operator family (matmul, attention, elementwise, ...) over the whole run. --compare-packing
 runs two runners in interleaved rounds, one with its linear layers on oneDNN's prepacked weights
 (the default on CPU) and one on F.linear, and reports the paired ratio; --compare-plain-weights
-pits the default (in float32 on an AVX2 CPU, prefill-sized batches on a second, plain copy of
-the weights) against the packed copy alone (--cpu-plain-weight-min-rows 0); --compare-prefill-pieces
+pits the default (the packed copy alone) against batches of >= 512 rows on a second, plain copy
+of the weights (--cpu-plain-weight-min-rows 512); --compare-prefill-pieces
 likewise pits prefill attention in pieces of rows (the default on CPU) against one SDPA call per
 chunk. Each run reports the page faults and system time it took; --no-cpu-keep-freed-memory
 leaves glibc's malloc thresholds at their defaults (executor_svc/cpu_malloc.py), process-wide, so
@@ -217,8 +217,8 @@ def main(argv=None) -> int:
                    help="two runners, linear layers through oneDNN's prepacked weights and through F.linear, "
                         "in interleaved rounds, with the paired ratio")
     p.add_argument("--compare-plain-weights", action="store_true",
-                   help="two runners, the default and one with --cpu-plain-weight-min-rows 0 (the packed "
-                        "weights serve every batch), in interleaved rounds, with the paired ratio")
+                   help="two runners, the default (the packed weights serve every batch) and one with "
+                        "--cpu-plain-weight-min-rows 512, in interleaved rounds, with the paired ratio")
     p.add_argument("--compare-prefill-pieces", action="store_true",
                    help="two runners, prefill attention in pieces of rows (the default) and one SDPA call per "
                         "chunk, in interleaved rounds, with the paired ratio")
@@ -239,8 +239,8 @@ def main(argv=None) -> int:
     if ns.compare_prefill_pieces:
         runners = {"pieces": runners["default"], "one-call": ModelRunner(config)}
     if ns.compare_plain_weights:
-        runners = {"plain-for-large": runners["default"],
-                   "packed-only": ModelRunner(dataclasses.replace(config, cpu_plain_weight_min_rows=0))}
+        runners = {"packed-only": runners["default"],
+                   "plain-for-large": ModelRunner(dataclasses.replace(config, cpu_plain_weight_min_rows=512))}
     for r in runners.values():
         r.initialize(16)
     if ns.profile:
@@ -272,7 +272,7 @@ def main(argv=None) -> int:
               "plain_weight_layers": {n: [r.model.plain_layers, r.model.plain_bytes >> 20] for n, r in runners.items()},
               "runs": runs}
     for flag, base, new, key in ((ns.compare_packing, "F.linear", "packed", "plain_over_packed"),
-                                 (ns.compare_plain_weights, "packed-only", "plain-for-large", "packed_only_over_default"),
+                                 (ns.compare_plain_weights, "packed-only", "plain-for-large", "packed_only_over_plain_for_large"),
                                  (ns.compare_prefill_pieces, "one-call", "pieces", "one_call_over_pieces")):
         if flag:
             paired(result, runs, base, new, key, ns.repeats, kinds=() if ns.decode else ("mixed", "decode-only"))

@@ -47,9 +47,9 @@ class ExecutorConfig:
     token: str | None = None  # shared secret every call must carry; the server refuses to start without one
     enforce_eager: bool = False  # no torch.compile: decode attention takes the folded-query SDPA path
     # CPU: batches of at least this many rows take a linear layer's plain weight (F.linear) instead
-    # of its oneDNN-packed copy, so every linear layer holds both (packed_linear.py). 0: the packed
-    # copy only. None (auto): 512 in float32 on an AVX2 CPU without AVX-512, else 0.
-    cpu_plain_weight_min_rows: int | None = None
+    # of its oneDNN-packed copy, so every linear layer holds both (packed_linear.py). 0 (default):
+    # the packed copy only.
+    cpu_plain_weight_min_rows: int = 0
     # CPU: glibc keeps the memory a step frees for the next step instead of returning it to the
     # kernel and faulting it in again (cpu_malloc.py). False: glibc's defaults.
     cpu_keep_freed_memory: bool = True
@@ -96,8 +96,8 @@ class ExecutorConfig:
         g.add_argument("--cpu-plain-weight-min-rows", default=s, type=int, metavar="N",
                        help="CPU: batches of >= N rows use a second, plain copy of each linear layer's weight "
                             "(F.linear: MKL in float32, faster than the oneDNN-packed copy at prefill-sized "
-                            "batches on AVX2 CPUs); costs the linear weights twice in memory; 0: the packed "
-                            "copy only (default: 512 in float32 on a CPU without AVX-512, else 0)")
+                            "batches on an AVX2 CPU in process, not in served runs); costs the linear weights "
+                            "twice in memory; 0: the packed copy only (default 0)")
         g.add_argument("--cpu-keep-freed-memory", default=s, action=argparse.BooleanOptionalAction,
                        help="CPU: glibc keeps what a step frees (blocks under 32 MiB, up to 1 GiB of the heap's "
                             "top) for the next step, instead of returning it to the kernel and faulting it in "
@@ -176,8 +176,7 @@ class ExecutorConfig:
             p.append(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.kv_cache_space > 0.0:
             p.append(f"--kv-cache-space must be > 0 GiB, got {self.kv_cache_space}")
-        if self.cpu_plain_weight_min_rows is not None and (
-                not isinstance(self.cpu_plain_weight_min_rows, int) or self.cpu_plain_weight_min_rows < 0):
+        if not isinstance(self.cpu_plain_weight_min_rows, int) or self.cpu_plain_weight_min_rows < 0:
             p.append(f"--cpu-plain-weight-min-rows must be >= 0, got {self.cpu_plain_weight_min_rows}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             p.append(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")

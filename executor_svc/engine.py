@@ -48,7 +48,6 @@ from .attention.paged_decode import PagedDecodeKernel
 from .config import ExecutorConfig
 from .kv_cache import KVCache, KVCacheShape, plan_num_blocks
 from .loader import load_model, read_spec
-from .models import packed_linear
 from .models.llama import Linear
 from .parallel import SINGLE, Ranks, TPGroup, broadcast, check_divisible, resolve_for_ranks, threads_per_rank
 from .sampling import new_random_seed, sample
@@ -215,11 +214,9 @@ class ModelRunner:
         self.last_step_id: int | None = None  # the last plan executed since initialize()
         self.last_layout: BatchLayout | None = None  # the last step's layout (debugging, tests)
 
-    def _pack_linear_layers(self, plain_rows: int | None) -> None:
+    def _pack_linear_layers(self, plain_rows: int) -> None:
         """oneDNN-packed linear weights, and plain second copies for batches of >= plain_rows
-        rows (None: packed_linear.auto_plain_min_rows), unless those would crowd memory."""
-        if plain_rows is None:
-            plain_rows = packed_linear.auto_plain_min_rows(self.dtype)
+        rows (0: none), unless those would crowd memory."""
         why = ""
         if plain_rows:
             linear_bytes = sum(m.weight.numel() * m.weight.element_size()

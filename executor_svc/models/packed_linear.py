@@ -14,12 +14,13 @@ weight does not reproduce `F.linear` on a probe input: callers never depend on p
 Prefill-sized batches are another matter in float32 on a CPU without AVX-512. The packed layout
 is tuned for decode batches, and on a Zen 3 (AVX2) MKL's `F.linear` on the plain weight ran
 SmolLM2's layers 1.05-1.13x faster at 1024 rows (about even at 256-512 rows, slower below), and
-the seed-shaped run 1.065-1.079x faster in process, paired; in served runs with fresh processes
-no effect showed (bench/RESULTS.md section 1), so a longer run should decide. There each linear layer
-keeps its plain weight as a second copy, for batches of at least `--cpu-plain-weight-min-rows`
-rows (`auto_plain_min_rows`; llama.py: `pack_linear_weights`). vLLM's CPU build keeps one oneDNN
-copy. A choice timed per layer shape at start-up was tried first: on a shared 2-core machine
-the timings flipped between runs.
+the seed-shaped run 1.065-1.079x faster in process, paired. With `--cpu-plain-weight-min-rows N`
+each linear layer keeps its plain weight as a second copy for batches of at least N rows
+(llama.py: `pack_linear_weights`). It is off by default: served, with fresh processes for every
+run, the stack without the copies was as fast or faster in 6 of 7 paired rounds (bench/RESULTS.md
+section 1), and the copies cost the linear weights' memory twice. vLLM's CPU build keeps one
+oneDNN copy. A choice timed per layer shape at start-up was tried first: on a shared 2-core
+machine the timings flipped between runs.
 """
 
 from __future__ import annotations
@@ -51,19 +52,6 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor
     tol = 1e-4 if weight.dtype == torch.float32 else 2e-2
     scale = float(want.abs().max()) + 1.0
     return packed if bool((got.float() - want.float()).abs().max() <= tol * scale) else None
-
-
-# Batches from this many rows on go to the plain weight where `auto_plain_min_rows` keeps one.
-PLAIN_MIN_ROWS = 512
-
-
-def auto_plain_min_rows(dtype: torch.dtype) -> int:
-    """`--cpu-plain-weight-min-rows` when not given: PLAIN_MIN_ROWS for float32 on a CPU whose
-    best vector unit is AVX2 (where MKL was measured ahead), else 0. In bfloat16 `F.linear` goes to
-    oneDNN too, and with AVX-512 oneDNN's packed kernels were not measured behind: no second copy."""
-    if dtype == torch.float32 and torch.backends.cpu.get_cpu_capability() == "AVX2":
-        return PLAIN_MIN_ROWS
-    return 0
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

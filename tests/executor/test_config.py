@@ -104,7 +104,7 @@ def test_auto_dtype_follows_the_cpu_flags(tmp_path, monkeypatch):
 
 
 def test_cpu_plain_weight_min_rows_flag_env_and_checks():
-    assert parse([]).cpu_plain_weight_min_rows is None  # auto: the executor decides by dtype and CPU
+    assert parse([]).cpu_plain_weight_min_rows == 0  # one (packed) copy unless asked
     assert parse(["--cpu-plain-weight-min-rows", "0"]).cpu_plain_weight_min_rows == 0
     assert ExecutorConfig.from_args([], env={"CHUNKWISE_CPU_PLAIN_WEIGHT_MIN_ROWS": "256"}).cpu_plain_weight_min_rows == 256
     with pytest.raises(ConfigError, match="--cpu-plain-weight-min-rows must be >= 0, got -1"):

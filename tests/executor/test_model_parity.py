@@ -96,18 +96,15 @@ def test_large_batches_on_the_plain_weights_match_transformers(tiny_checkpoint, 
     assert packed_rows == [63]
 
 
-def test_plain_weight_copies_follow_the_cpu_and_dtype_and_yield_to_memory(tiny_llama_path, monkeypatch):
+def test_plain_weight_copies_only_when_asked_and_never_crowding_memory(tiny_llama_path, monkeypatch):
     import executor_svc.engine as engine
 
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert packed_linear.auto_plain_min_rows(torch.float32) == packed_linear.PLAIN_MIN_ROWS
-    assert packed_linear.auto_plain_min_rows(torch.bfloat16) == 0  # F.linear is oneDNN in bf16 too
-    assert make_runner(tiny_llama_path).model.plain_layers > 0  # auto on this "CPU"
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert packed_linear.auto_plain_min_rows(torch.float32) == 0
-    runner = make_runner(tiny_llama_path)
-    assert runner.model.plain_layers == 0
-    assert all(m.weight.numel() == 0 for m in runner.model.modules() if isinstance(m, Linear))
+    # By default one copy, the packed one, whatever the CPU (the plain weight is freed).
+    for capability in ("AVX2", "AVX512"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
+        runner = make_runner(tiny_llama_path)
+        assert runner.model.plain_layers == 0 and runner.model.plain_bytes == 0
+        assert all(m.weight.numel() == 0 for m in runner.model.modules() if isinstance(m, Linear))
     # Asked for, but the second copies would take over 1/4 of the memory available: one copy only.
     monkeypatch.setattr(engine, "_memory_available", lambda: 1 << 20)
     runner = make_runner(tiny_llama_path, cpu_plain_weight_min_rows=64)
