@@ -18,7 +18,8 @@ value is read once, straight from its block, and never materialised.
   against, and readable.
 - `PagedDecodeKernel`: compiles it ahead of time (AOTInductor) with dynamic batch, context and
   cache sizes into a package in the chunkwise cache, built once per machine and head geometry
-  and loaded in milliseconds by every later start; checks it on a warm-up batch, and says why
+  and loaded in milliseconds by every later start (a build deletes packages unused for
+  PACKAGE_MAX_IDLE_DAYS); checks it on a warm-up batch, and says why
   when it cannot run (no C++ compiler, --enforce-eager): the caller then uses the folded-query
   SDPA path instead.
 
@@ -64,6 +65,10 @@ COMPILE_OPTIONS = {"cpp.dynamic_threads": True, "assert_indirect_indexing": Fals
 # Part of the package's cache key: bump it when what is exported changes in a way the key's
 # other parts (the functions' source, the options, torch) do not show.
 PACKAGE_FORMAT = 2
+# Packages nobody has loaded for this long are deleted when a new one is built: every change of
+# torch, of the kernel's source or of the CPU leaves one behind (~1.5 MB each). Age rather than
+# "every other name", so two chunkwise versions sharing a cache do not delete each other's.
+PACKAGE_MAX_IDLE_DAYS = 30
 
 
 # A kernel call pads its rows to its longest context and computes every padded key (masked), so
@@ -325,6 +330,7 @@ def _load_or_build(path: Path, h: int, kvh: int, d: int, dtype: torch.dtype) -> 
 
     runner = _load_existing(path)
     if runner is not None:
+        _mark_used(path)
         return runner, "loaded"
     path.parent.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(path.with_suffix(".lock"), "building the paged decode kernel"):
@@ -333,4 +339,31 @@ def _load_or_build(path: Path, h: int, kvh: int, d: int, dtype: torch.dtype) -> 
             return runner, "loaded"
         logger.info("building the paged decode kernel for %s (once per machine and model geometry)", path.name)
         _build(path, h, kvh, d, dtype)
+        prune_idle_packages(path.parent, keep=path)
         return _load(path), "built"
+
+
+def _mark_used(path: Path) -> None:
+    """A package's modification time says when it was last loaded (what pruning goes by)."""
+    try:
+        os.utime(path)
+    except OSError:  # a read-only cache still serves
+        pass
+
+
+def prune_idle_packages(directory: Path, keep: Path, max_idle_days: float = PACKAGE_MAX_IDLE_DAYS) -> list[Path]:
+    """Delete the paged decode packages in `directory`, other than `keep`, not loaded for
+    `max_idle_days`; returns what was deleted. Their lock files (empty) stay: a process may hold one."""
+    cutoff = time.time() - max_idle_days * 86400
+    pruned = []
+    for old in directory.glob("paged_decode_*.pt2"):
+        try:
+            if old != keep and old.stat().st_mtime < cutoff:
+                old.unlink()
+                pruned.append(old)
+        except OSError:  # gone already, or not ours to delete
+            continue
+    if pruned:
+        logger.info("deleted %d paged decode package(s) unused for %g days: %s", len(pruned), max_idle_days,
+                    ", ".join(p.name for p in pruned))
+    return pruned

@@ -4,7 +4,9 @@ flash-attn backend against the torch backend (CUDA + flash-attn only)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -269,11 +271,21 @@ def test_a_damaged_package_is_rebuilt(tmp_path, monkeypatch, caplog):
     target = package_path(HEADS, KV_HEADS, DIM, torch.float32, tmp_path)
     target.parent.mkdir(parents=True)
     target.write_bytes(b"not a package")
+    # Packages an older torch or kernel left behind: a build deletes those unused for a month.
+    month_ago, week_ago = time.time() - 31 * 86400, time.time() - 7 * 86400
+    stale, recent = target.with_name("paged_decode_float32_old.pt2"), target.with_name("paged_decode_bfloat16_new.pt2")
+    for path, when in ((stale, month_ago), (recent, week_ago), (stale.with_suffix(".lock"), month_ago)):
+        path.write_bytes(b"")
+        os.utime(path, (when, when))
     kernel = PagedDecodeKernel(HEADS, KV_HEADS, DIM, torch.float32, torch.device("cpu"), False, cache_dir=tmp_path)
     assert kernel.ready and "built in" in kernel.reason and built == [target], kernel.reason
     assert "does not load" in caplog.text
+    assert not stale.exists() and recent.exists() and stale.with_suffix(".lock").exists()  # a lock may be held
+    # Loading marks a package used, so a month without loads is what counts.
+    os.utime(target, (month_ago, month_ago))
     kernel = PagedDecodeKernel(HEADS, KV_HEADS, DIM, torch.float32, torch.device("cpu"), False, cache_dir=tmp_path)
     assert kernel.ready and "loaded in" in kernel.reason and len(built) == 1
+    assert target.stat().st_mtime > week_ago
     # A package that loads but computes something else (here: bf16 code fed fp32 data, which the
     # package's runner does not notice) is refused by the warm-up check.
     shutil.copyfile(other, target)
