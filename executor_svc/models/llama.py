@@ -83,12 +83,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = _param((size,), dtype, device)
         self.eps = eps
+        self.normalized_shape = (size,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             # One call, bit for bit the formula below in float32 (not in bf16, where torch's
             # op rounds after the weight multiply and the reference before it).
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
         xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
