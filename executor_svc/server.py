@@ -38,6 +38,20 @@ log = logging.getLogger("chunkwise.executor")
 MAX_BLOCK_SIZE = 1024
 
 
+def _wait_limit(context) -> float:
+    """Seconds until the call's deadline (gRPC reports a huge number when it has none)."""
+    return min(context.time_remaining(), threading.TIMEOUT_MAX)
+
+
+def _still_waiting(context) -> bool:
+    # The deadline is checked too: on a busy machine a call can still look active after it passed.
+    return context.is_active() and context.time_remaining() > 0
+
+
+class _HandshakeAbandoned(Exception):
+    """A handshake whose caller was gone when its turn on the compute loop came: not run."""
+
+
 def _put_done(finished: queue.SimpleQueue, step_id: int, done: Future) -> None:
     finished.put((step_id, done))
 
@@ -72,13 +86,24 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}], got {bs}",
             )
-        with self._handshake:
-            if not context.is_active():
+        # A handshake waits for the step that is running, and no longer than its caller does:
+        # while a long step runs the scheduler retries every second or so, and handlers that
+        # waited past their callers would fill the RPC pool (GetEpoch could not answer) and then
+        # each start an epoch that nobody adopts once the step ends.
+        if not self._handshake.acquire(timeout=_wait_limit(context)):
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "another handshake is waiting for the running step")
+        try:
+            if not _still_waiting(context):
                 # The caller gave up while a long step ran (it has retried since): starting an
                 # epoch nobody will use would only invalidate the one it adopts.
                 context.abort(grpc.StatusCode.CANCELLED, "the caller went away before the handshake ran")
+            # Checked again on the compute thread, just before it runs: the caller may give up
+            # while the handshake waits there, a moment before this handler stops waiting for it.
+            handshake = self._submit(self._initialize, bs, functools.partial(_still_waiting, context))
             try:
-                num_blocks = self._submit(self._initialize, bs).result()
+                num_blocks = handshake.result(timeout=_wait_limit(context))
+            except (futures.TimeoutError, _HandshakeAbandoned):
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the handshake waited for the running step past its deadline")
             except ValueError as e:  # e.g. a block size the attention backend cannot page with
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             log.info("initialized: block_size=%d num_kv_blocks=%d epoch=%s", bs, num_blocks, self._epoch)
@@ -88,9 +113,13 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 block_size=bs,
                 num_kv_blocks=num_blocks,
             )
+        finally:
+            self._handshake.release()
 
-    def _initialize(self, block_size: int) -> int:
+    def _initialize(self, block_size: int, still_wanted: Callable[[], bool]) -> int:
         """On the compute thread, after every step submitted before it."""
+        if not still_wanted():
+            raise _HandshakeAbandoned()
         num_blocks = self._runner.initialize(block_size)
         # Every handshake starts a new epoch: the runner dropped all request state, so plans
         # built against an older epoch must be refused rather than half-applied.

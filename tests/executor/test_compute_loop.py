@@ -165,3 +165,64 @@ def test_a_plan_whose_caller_gave_up_while_queued_is_not_run(tiny_llama_path):
                 steps.step(blind_decode(4, 12))
             assert e.value.code == "FAILED_PRECONDITION"
     assert executed == [1, 2]
+
+
+def call_code(call) -> grpc.StatusCode:
+    """The status code `call()` ends with (OK if it returns)."""
+    try:
+        call()
+    except grpc.RpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+def test_handshakes_retried_during_a_long_step_give_up_with_their_callers(tiny_llama_path):
+    """While a step runs long, the scheduler's reconnect loop sends a handshake with a short
+    deadline again and again. Each handler waits only as long as its caller: the RPC pool stays
+    free (GetEpoch answers throughout), and no abandoned handshake runs once the step ends, so the
+    epoch changes only when a caller is there to adopt it."""
+    runner = make_runner(tiny_llama_path, block_size=8, num_kv_blocks=16)
+    running, release, initialized = threading.Event(), threading.Event(), []
+    execute, initialize = runner.execute, runner.initialize
+
+    def held_decode(plan):
+        if plan.step_id == 2:
+            running.set()
+            release.wait(30)
+        return execute(plan)
+
+    def counted_initialize(block_size):
+        initialized.append(block_size)
+        return initialize(block_size)
+
+    runner.execute, runner.initialize = held_decode, counted_initialize
+    with served_executor(runner) as (_, stub, epoch):
+        with StepStreamCall(stub, epoch, TOKEN) as steps:
+            steps.step(prefill(1))
+            steps.send(blind_decode(2, 10))
+            assert running.wait(10)  # step 2 holds the compute loop until released
+            waiting = []  # a caller with a longer deadline holds the handshake meanwhile
+            holder = threading.Thread(target=lambda: waiting.append(call_code(lambda: stub.Initialize(
+                pb.InitializeRequest(block_size=8), metadata=bearer_metadata(TOKEN), timeout=4))))
+            holder.start()
+            time.sleep(0.2)
+            for _ in range(6):  # with the holder and the step stream, more than the RPC pool's threads
+                t0 = time.monotonic()
+                assert call_code(lambda: stub.Initialize(pb.InitializeRequest(block_size=8),
+                                                         metadata=bearer_metadata(TOKEN), timeout=0.3)) \
+                    == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert time.monotonic() - t0 < 2.0
+            assert stub.GetEpoch(pb.GetEpochRequest(), metadata=bearer_metadata(TOKEN), timeout=1).executor_epoch == epoch
+            holder.join(10)
+            assert waiting == [grpc.StatusCode.DEADLINE_EXCEEDED]
+            # Its handler stopped waiting with it: the next handshake gets its turn to wait.
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Initialize(pb.InitializeRequest(block_size=8), metadata=bearer_metadata(TOKEN), timeout=0.5)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "past its deadline" in e.value.details()
+            release.set()
+            assert len(steps.result().sampled) == 1
+        time.sleep(0.5)  # an abandoned handshake queued behind the step would have run by now
+        assert initialized == [8]  # the one served_executor made
+        assert stub.GetEpoch(pb.GetEpochRequest(), metadata=bearer_metadata(TOKEN), timeout=2).executor_epoch == epoch
+        fresh = stub.Initialize(pb.InitializeRequest(block_size=8), metadata=bearer_metadata(TOKEN), timeout=30)
+        assert fresh.executor_epoch != epoch and initialized == [8, 8]
