@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import time
 
@@ -22,6 +23,7 @@ from executor_svc.attention import (
 )
 from executor_svc.attention.paged_decode import (
     COMPILE_OPTIONS,
+    VALUE_PIECE,
     PagedDecodeKernel,
     decode_slots,
     group_by_length,
@@ -224,6 +226,18 @@ def _jit_compiled_cpp(options: dict) -> str:
         _, code = run_and_get_cpp_code(fn, q, k_flat, v_flat, slots, lens, DIM**-0.5)
     torch._dynamo.reset()
     return code
+
+
+def test_paged_decode_sums_the_values_of_all_pieces_in_one_pass():
+    # The values' weighted sum comes in pieces one SIMD vector wide (VALUE_PIECE floats), so that
+    # the compiler makes one loop over the keys with an accumulator per piece, not a loop each.
+    code = paged_kernel().generated_cpp()
+    pieces = -(-DIM // VALUE_PIECE)
+    assert pieces >= 2, "the test's head dim must span several pieces"
+    # The accumulators of one fused loop are declared together, before the loop over the keys.
+    declared = r"\s*".join(rf"float tmp_acc{i} = 0;\s*at::vec::Vectorized<float> tmp_acc{i}_vec = "
+                           r"at::vec::Vectorized<float>\(0\);" for i in range(pieces))
+    assert re.search(declared, code), code
 
 
 def test_paged_decode_runs_every_loop_nest_in_parallel():
