@@ -16,6 +16,7 @@ from chunkwise.v1 import executor_pb2 as pb
 from chunkwise.v1 import executor_pb2_grpc as pb_grpc
 from executor_svc.compute_loop import ComputeLoop, ComputeLoopClosed
 from executor_svc.server import build_server
+from reliability_helpers import call_code
 
 from .helpers import ServedComputeLoop as Served
 from .helpers import StepNotRun, StepStreamCall, blind_decode, make_runner, prefill
@@ -165,15 +166,6 @@ def test_a_plan_whose_caller_gave_up_while_queued_is_not_run(tiny_llama_path):
                 steps.step(blind_decode(4, 12))
             assert e.value.code == "FAILED_PRECONDITION"
     assert executed == [1, 2]
-
-
-def call_code(call) -> grpc.StatusCode:
-    """The status code `call()` ends with (OK if it returns)."""
-    try:
-        call()
-    except grpc.RpcError as e:
-        return e.code()
-    return grpc.StatusCode.OK
 
 
 def test_handshakes_retried_during_a_long_step_give_up_with_their_callers(tiny_llama_path):

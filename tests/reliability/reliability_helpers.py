@@ -197,6 +197,17 @@ def health(address: str, service: str = "chunkwise.v1.Generation", credentials=N
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
+def call_code(call):
+    """The gRPC status code `call()` ends with (OK if it returns)."""
+    import grpc
+
+    try:
+        call()
+    except grpc.RpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
 class StreamInThread:
     """Stream one request in a thread, recording its tokens, finish reason or error."""
 

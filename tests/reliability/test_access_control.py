@@ -22,7 +22,15 @@ from chunkwise.v1 import executor_pb2_grpc as pb_grpc
 from client import ChunkwiseError, Client
 from chunkwise_tools.serve import READY_EXECUTOR, READY_SCHEDULER
 from executor_svc.config import ExecutorConfig
-from reliability_helpers import SCHEDULER_FLAGS, assert_no_leak, free_port, health, launch_service, wait_idle
+from reliability_helpers import (
+    SCHEDULER_FLAGS,
+    assert_no_leak,
+    call_code,
+    free_port,
+    health,
+    launch_service,
+    wait_idle,
+)
 from scheduler_svc.config import ServiceConfig
 
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
@@ -32,14 +40,6 @@ KEYS = ("key-one-" + "x" * 20, "key-two-" + "y" * 20)
 
 def executor_stub(channel):
     return pb_grpc.ExecutorStub(channel)
-
-
-def call_code(fn) -> grpc.StatusCode:
-    try:
-        fn()
-    except grpc.RpcError as e:
-        return e.code()
-    return grpc.StatusCode.OK
 
 
 # ---- the plaintext executor of the shared stack --------------------------------------------------
