@@ -215,23 +215,35 @@ class ModelRunner:
         self.last_layout: BatchLayout | None = None  # the last step's layout (debugging, tests)
 
     def _pack_linear_layers(self, plain_rows: int) -> None:
-        """oneDNN-packed linear weights, and plain second copies for batches of >= plain_rows
-        rows (0: none), unless those would crowd memory."""
-        why = ""
-        if plain_rows:
-            linear_bytes = sum(m.weight.numel() * m.weight.element_size()
-                               for m in self.model.modules() if isinstance(m, Linear))
-            available = _memory_available()
-            if available is not None and linear_bytes > available // 4:
-                # A second copy of every linear weight is for speed only: never at the risk of swapping.
-                plain_rows, why = 0, (f" (no plain copies: the linear weights, {linear_bytes >> 20} MiB, are "
-                                      f"over 1/4 of the memory available, {available >> 20} MiB)")
-        if not self.model.pack_linear_weights(plain_rows):
-            logger.info("linear layers: F.linear (oneDNN packing unavailable or refused by its self-check)")
+        """oneDNN-packed linear weights, float32 copies of bf16/fp16 ones where this CPU has no
+        matmul in their dtype, and plain second copies for batches of >= plain_rows rows (0:
+        none), unless the extra copies would crowd memory (packed_linear.py)."""
+        notes = []
+        linear_bytes = sum(m.weight.numel() * m.weight.element_size()
+                           for m in self.model.modules() if isinstance(m, Linear))
+        available = _memory_available()
+        # A second copy of every linear weight, and a float32 one twice its size, are for speed
+        # only: never at the risk of swapping.
+        crowded = ""
+        if available is not None and linear_bytes > available // 4:
+            crowded = (f"the linear weights, {linear_bytes >> 20} MiB, are over 1/4 of the memory available, "
+                       f"{available >> 20} MiB")
+        if plain_rows and crowded:
+            plain_rows = 0
+            notes.append(f"no plain copies: {crowded}")
+        widen = self.dtype in (torch.bfloat16, torch.float16) and not crowded
+        if not self.model.pack_linear_weights(plain_rows, widen):
+            logger.info("linear layers: F.linear (oneDNN packing unavailable or refused by its self-check)%s",
+                        f"; no float32 copies of the {self.dtype} weights: {crowded}" if crowded else "")
             return
-        logger.info("linear layers: oneDNN with prepacked weights%s", why or (
-            f"; for batches of >= {plain_rows} rows F.linear on a second, plain copy of the weights "
-            f"({self.model.plain_layers} layers, {self.model.plain_bytes >> 20} MiB)" if plain_rows else ""))
+        if self.model.widened_bytes:
+            notes.append(f"float32 copies of the {str(self.dtype).removeprefix('torch.')} weights "
+                         f"({self.model.widened_bytes >> 20} MiB): oneDNN has no matmul in that dtype on this "
+                         "CPU; float32 arithmetic, each result rounded back")
+        if plain_rows:
+            notes.append(f"for batches of >= {plain_rows} rows F.linear on a second, plain copy of the weights "
+                         f"({self.model.plain_layers} layers, {self.model.plain_bytes >> 20} MiB)")
+        logger.info("linear layers: oneDNN with prepacked weights%s", "".join(f"; {n}" for n in notes))
 
     # ------------------------------------------------------------------------------ public API
 

@@ -7,8 +7,8 @@ the paged KV cache and the attention backend), so this module knows nothing abou
 
 q/k/v and gate/up projections are fused into single matmuls; the loader slices the checkpoint's
 separate tensors into them. On CPU, once loaded, every linear weight (and lm_head) is repacked
-for oneDNN (`pack_linear_weights`, packed_linear.py), and may keep its plain weight too, for
-prefill-sized batches. Numerics follow the HF reference: RMSNorm in
+for oneDNN (`pack_linear_weights`, packed_linear.py; as float32 copies of bf16 weights where the
+CPU has no bf16 matmul), and may keep its plain weight too, for prefill-sized batches. Numerics follow the HF reference: RMSNorm in
 float32 then cast back, RoPE angles in float32, logits returned as float32.
 
 With tensor parallelism (`tp`, see executor_svc/parallel.py) each rank holds num_heads / N query
@@ -50,13 +50,15 @@ class Linear(nn.Module):
         # weight, which is then kept (0: the packed copy serves every batch, the plain one is freed).
         self.plain_min_rows = 0
 
-    def pack(self, plain_min_rows: int = 0) -> bool:
+    def pack(self, plain_min_rows: int = 0, widen: bool = True) -> bool:
         """Copy the weight into oneDNN's prepacked layout (packed_linear.py) and free the plain
         copy, unless `plain_min_rows` keeps it for batches of that many rows and more; False
-        (nothing changed) where packing is not possible."""
-        packed = packed_linear.pack(self.weight, self.bias)
+        (nothing changed) where packing is not possible. `widen`: see packed_linear.pack."""
+        packed = packed_linear.pack(self.weight, self.bias, widen)
         if packed is None:
             return False
+        if packed.dtype != self.weight.dtype:
+            plain_min_rows = 0  # a widened copy is the fast one at every batch size
         self.packed = packed
         self.plain_min_rows = plain_min_rows
         if not plain_min_rows:
@@ -165,6 +167,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.lm_head_packed: torch.Tensor | None = None  # set by pack_linear_weights()
         self.plain_layers, self.plain_bytes = 0, 0  # set by pack_linear_weights()
+        self.widened_bytes = 0  # set by pack_linear_weights(): float32 copies of bf16/fp16 weights
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for flat token ids / positions [T]."""
@@ -180,22 +183,26 @@ class LlamaForCausalLM(nn.Module):
             return packed_linear.linear(hidden, self.lm_head_packed, None).to(torch.float32)
         return F.linear(hidden, self.lm_head_weight).to(torch.float32)
 
-    def pack_linear_weights(self, plain_min_rows: int = 0) -> bool:
+    def pack_linear_weights(self, plain_min_rows: int = 0, widen: bool = True) -> bool:
         """Every linear layer and lm_head through oneDNN with prepacked weights (CPU; see
         packed_linear.py). Call after loading; num_parameters() counts the plain weights, so ask
         it first. True if all were packed (then no plain linear weight is kept, except lm_head's
         when it is the embedding matrix, and the layers' own with `plain_min_rows`).
 
         With `plain_min_rows` > 0 every linear layer also keeps its plain weight, for batches of
-        at least that many rows; `plain_layers` and `plain_bytes` count those second copies."""
+        at least that many rows; `plain_layers` and `plain_bytes` count those second copies.
+        `widen` lets bf16/fp16 weights be packed as float32 where this CPU has no matmul in their
+        dtype; `widened_bytes` counts those copies."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
-        if not linears or not linears[0].pack(plain_min_rows):  # one refusal says the rest would be refused too
+        if not linears or not linears[0].pack(plain_min_rows, widen):  # one refusal says the rest would be refused too
             return False
-        ok = all([m.pack(plain_min_rows) for m in linears[1:]])
+        ok = all([m.pack(plain_min_rows, widen) for m in linears[1:]])
         kept = [m for m in linears if m.plain_min_rows]
         self.plain_layers = len(kept)
         self.plain_bytes = sum(m.weight.numel() * m.weight.element_size() for m in kept)
-        self.lm_head_packed = packed_linear.pack(self.lm_head_weight)
+        self.lm_head_packed = packed_linear.pack(self.lm_head_weight, None, widen)
+        self.widened_bytes = sum(p.numel() * p.element_size() for p in [m.packed for m in linears] + [self.lm_head_packed]
+                                 if p is not None and p.dtype != self.dtype)
         if self.lm_head_packed is not None and not self.spec.tie_word_embeddings:
             self.lm_head_weight.data = self.lm_head_weight.data.new_empty(0)
         return ok and self.lm_head_packed is not None

@@ -21,6 +21,18 @@ run, the stack without the copies was as fast or faster in 6 of 7 paired rounds 
 section 1), and the copies cost the linear weights' memory twice. vLLM's CPU build keeps one
 oneDNN copy. A choice timed per layer shape at start-up was tried first: on a shared 2-core
 machine the timings flipped between runs.
+
+bfloat16 (and float16) weights on a CPU without a matmul in that dtype are the third case. oneDNN
+packs bf16 only with AVX-512 (bw, vl, dq) or AVX-NE-CONVERT, and without them torch's `F.linear`
+in bf16 is its portable fallback: on the Zen 3 (AVX2), at SmolLM2's shapes, 4-8x slower than
+a packed float32 copy of the same weight, so a bf16 run was ~5x slower than an fp32 one and
+matmuls were 75-96% of a decode step.
+There `pack(widen=True)` packs a float32 copy of the weight instead (every bf16 value is exact in
+float32), and `linear` computes in float32 and rounds the result to the input's dtype: the same
+products summed in float32 that the fallback computes, in another order (test_model_parity.py
+checks each output against the float64 sum rounded to bf16). Activations, the KV cache and
+every other op stay in bf16. The cost is the linear weights' memory twice over, which the engine
+pays only while that is under 1/4 of the memory available (engine.py).
 """
 
 from __future__ import annotations
@@ -38,12 +50,18 @@ def available(device: torch.device) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """oneDNN's prepacked copy of `weight` [out, in], checked against F.linear, or None."""
+def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, widen: bool = True) -> torch.Tensor | None:
+    """oneDNN's prepacked copy of `weight` [out, in], checked against F.linear, or None. With
+    `widen`, a bf16/fp16 weight that oneDNN cannot pack in its own dtype is packed as float32."""
     if not available(weight.device):
         return None
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
+        try:
+            packed = _reorder(weight.detach())
+        except RuntimeError:
+            if not (widen and weight.dtype in (torch.bfloat16, torch.float16)):
+                raise
+            packed = _reorder(weight.detach().float())  # this CPU has no matmul in the weight's dtype
         probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
         with torch.inference_mode():
             got, want = linear(probe, packed, bias), F.linear(probe, weight, bias)
@@ -54,6 +72,15 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor
     return packed if bool((got.float() - want.float()).abs().max() <= tol * scale) else None
 
 
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    # Raises RuntimeError where oneDNN has no kernel for the weight's dtype on this CPU.
+    return torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T + bias with W as `pack` returned it."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """x @ W.T + bias with W as `pack` returned it, in x's dtype."""
+    if packed.dtype == x.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    # A widened weight: float32 arithmetic, one rounding to x's dtype at the end.
+    wide_bias = None if bias is None else bias.to(packed.dtype)
+    return torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, wide_bias, "none", [], "").to(x.dtype)

@@ -129,6 +129,72 @@ def test_a_packed_weight_that_does_not_reproduce_f_linear_is_refused(monkeypatch
     assert not layer.pack() and layer.packed is None and layer.weight.shape == (24, 16)  # untouched
 
 
+def _without_reduced_precision_packing(monkeypatch):
+    # A CPU like the Zen 3 (AVX2): oneDNN packs float32 weights but refuses bf16 and fp16 ones.
+    real = packed_linear._reorder
+
+    def reorder(weight):
+        if weight.dtype != torch.float32:
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+        return real(weight)
+
+    monkeypatch.setattr(packed_linear, "_reorder", reorder)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_weights_widened_to_float32_round_like_the_exact_sum(dtype, monkeypatch):
+    _without_reduced_precision_packing(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(96, 64, generator=g) / 8).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(40, 64, generator=g).to(dtype)
+    assert packed_linear.pack(w, b, widen=False) is None
+    packed = packed_linear.pack(w, b)
+    assert packed is not None and packed.dtype == torch.float32
+    with torch.inference_mode():
+        got = packed_linear.linear(x, packed, b)
+    assert got.dtype == dtype
+    # The exact sum rounded once to the weight's dtype; float32 accumulation may land one unit of
+    # the last place away (eps: one unit relative to 1; the fallback's F.linear does the same), or a
+    # float32 rounding near zero.
+    exact = (x.double() @ w.double().T + b.double()).to(dtype)
+    torch.testing.assert_close(got.float(), exact.float(), rtol=torch.finfo(dtype).eps, atol=1e-5)
+    assert (got != exact).float().mean() < 0.01
+
+
+def test_bf16_model_on_a_cpu_without_bf16_matmuls_computes_in_float32(tiny_llama_path, monkeypatch):
+    import executor_svc.engine as engine
+
+    _without_reduced_precision_packing(monkeypatch)
+    monkeypatch.setattr(engine, "_memory_available", lambda: 1 << 40)
+    tokens = random_tokens(60, seed=3)
+    plan = StepPlan(1, new_requests=[NewRequestData("r", tokens, [3, 1, 4, 0], GREEDY)],
+                    chunks=[ScheduledChunk("r", 0, 60, 0, True)])
+    ref = hf_logits(load_reference(tiny_llama_path), tokens)
+    runner = make_runner(tiny_llama_path, block_size=16, num_kv_blocks=8, dtype="bfloat16")
+    layers = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert all(m.packed.dtype == torch.float32 and m.weight.numel() == 0 for m in layers)
+    assert runner.model.lm_head_packed.dtype == torch.float32
+    assert runner.model.widened_bytes == 4 * (sum(m.packed.numel() for m in layers)
+                                              + runner.model.lm_head_packed.numel())
+    assert runner.kv_cache.layers[0].dtype == torch.bfloat16
+    _, logits = runner.execute_with_logits(plan)
+    widened = logits["r"]
+    assert (widened - ref).abs().max() < 0.25  # as close as bf16 allows (test_bfloat16_runs_close_to_float32)
+    # The bf16 linear weights over a quarter of the memory available: no float32 copies, F.linear in bf16.
+    bf16_bytes = 2 * sum(m.packed.numel() for m in layers)
+    monkeypatch.setattr(engine, "_memory_available", lambda: 4 * bf16_bytes - 1)
+    runner = make_runner(tiny_llama_path, block_size=16, num_kv_blocks=8, dtype="bfloat16")
+    assert all(m.packed is None for m in runner.model.modules() if isinstance(m, Linear))
+    assert runner.model.lm_head_packed is None and runner.model.widened_bytes == 0
+    _, logits = runner.execute_with_logits(plan)
+    assert (logits["r"] - ref).abs().max() < 0.25
+    # The two bf16 runs differ only in the order of float32 sums (identical on the Zen 3), much
+    # less than either differs from float32.
+    assert (logits["r"] - widened).abs().max() < 0.1
+    assert int(logits["r"][-1].argmax()) == int(widened[-1].argmax())
+
+
 def test_rope_scaling_changes_logits(tiny_checkpoint):
     # Guard against the parity test passing because scaling is silently ignored on both sides.
     tokens = random_tokens(150, seed=7)
