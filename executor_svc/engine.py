@@ -231,16 +231,19 @@ class ModelRunner:
         if plain_rows and crowded:
             plain_rows = 0
             notes.append(f"no plain copies: {crowded}")
-        widen = self.dtype in (torch.bfloat16, torch.float16) and not crowded
-        if not self.model.pack_linear_weights(plain_rows, widen):
+        reduced = self.dtype in (torch.bfloat16, torch.float16)
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        if not self.model.pack_linear_weights(plain_rows, widen=reduced and not crowded):
             logger.info("linear layers: F.linear (oneDNN packing unavailable or refused by its self-check)%s",
-                        f"; no float32 copies of the {self.dtype} weights: {crowded}" if crowded else "")
+                        f"; no float32 copies of the {dtype_name} weights: {crowded}" if reduced and crowded else "")
             return
         if self.model.widened_bytes:
-            notes.append(f"float32 copies of the {str(self.dtype).removeprefix('torch.')} weights "
+            notes.append(f"float32 copies of the {dtype_name} weights "
                          f"({self.model.widened_bytes >> 20} MiB): oneDNN has no matmul in that dtype on this "
                          "CPU; float32 arithmetic, each result rounded back")
-        if plain_rows:
+        if plain_rows and not self.model.plain_layers:
+            notes.append("no plain copies: the float32 copies are the faster ones at every batch size")
+        elif plain_rows:
             notes.append(f"for batches of >= {plain_rows} rows F.linear on a second, plain copy of the weights "
                          f"({self.model.plain_layers} layers, {self.model.plain_bytes >> 20} MiB)")
         logger.info("linear layers: oneDNN with prepacked weights%s", "".join(f"; {n}" for n in notes))

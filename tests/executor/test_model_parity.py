@@ -178,6 +178,10 @@ def test_bf16_model_on_a_cpu_without_bf16_matmuls_computes_in_float32(tiny_llama
     assert runner.model.widened_bytes == 4 * (sum(m.packed.numel() for m in layers)
                                               + runner.model.lm_head_packed.numel())
     assert runner.kv_cache.layers[0].dtype == torch.bfloat16
+    # Plain bf16 copies for large batches would be the slow path: not kept even when asked for.
+    asked = make_runner(tiny_llama_path, block_size=16, num_kv_blocks=8, dtype="bfloat16", cpu_plain_weight_min_rows=64)
+    assert asked.model.plain_layers == 0 and asked.model.widened_bytes == runner.model.widened_bytes
+    assert all(m.plain_min_rows == 0 and m.weight.numel() == 0 for m in asked.model.modules() if isinstance(m, Linear))
     _, logits = runner.execute_with_logits(plan)
     widened = logits["r"]
     assert (widened - ref).abs().max() < 0.25  # as close as bf16 allows (test_bfloat16_runs_close_to_float32)
