@@ -36,6 +36,7 @@ import logging
 import os
 import platform
 import shutil
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -296,7 +297,23 @@ def _load(path: Path) -> Any:
     # wraps, minus the pytree handling of inputs and outputs (plain lists here) and minus the
     # import of inductor and dynamo it drags in (1.7 s). Arguments: model name in the package,
     # not single-threaded, one runner, device index -1 (CPU).
-    return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    #
+    # The loader unpacks the package into $TMPDIR/aotinductor_XXXXXX and deletes that only in
+    # its destructor, which an executor that is killed, or exits without collecting it, never
+    # runs: 1.6 MB left in /tmp per executor start (247 of them on the test machine). Once
+    # loaded, the shared library is mapped and the files are not read again, so the package is
+    # unpacked into a directory of ours, deleted right after. TMPDIR is process-wide: this runs
+    # at start-up, before the server takes calls, and Python's tempfile has read it already.
+    with tempfile.TemporaryDirectory(prefix="chunkwise-kernel-") as unpack_dir:
+        before = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = unpack_dir
+        try:
+            return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        finally:
+            if before is None:
+                del os.environ["TMPDIR"]
+            else:
+                os.environ["TMPDIR"] = before
 
 
 def _build(path: Path, h: int, kvh: int, d: int, dtype: torch.dtype) -> None:

@@ -268,6 +268,22 @@ def test_the_kernel_package_is_built_once_and_then_loaded():
     assert first.package is not None and f"float32_{HEADS}x{KV_HEADS}x{DIM}_" in first.package.name
 
 
+def test_loading_the_package_leaves_nothing_in_the_temp_dir(tmp_path, monkeypatch):
+    # torch unpacks a package under $TMPDIR and deletes that only when the loader is destroyed,
+    # which a killed executor never does: the unpacked files must be gone as soon as it loaded.
+    first = paged_kernel()
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    again = PagedDecodeKernel(HEADS, KV_HEADS, DIM, torch.float32, torch.device("cpu"), enforce_eager=False)
+    assert again.ready and "loaded in" in again.reason and again.package == first.package
+    assert list(tmp_path.iterdir()) == []
+    assert os.environ["TMPDIR"] == str(tmp_path)  # put back as it was
+    # Still runs, and as the first load does.
+    q, k, v = torch.randn(3, HEADS, DIM), torch.randn(64, KV_HEADS, DIM), torch.randn(64, KV_HEADS, DIM)
+    slots, lens = torch.randint(0, 64, (3, 40)), torch.tensor([40, 17, 33])
+    torch.testing.assert_close(again(q, k, v, slots, lens, DIM**-0.5), first(q, k, v, slots, lens, DIM**-0.5),
+                               atol=0, rtol=0)
+
+
 def test_a_damaged_package_is_rebuilt(tmp_path, monkeypatch, caplog):
     # Stand-in for the compiler: copies the real package into place. What is under test is what
     # happens around it: the damaged file is noticed, rebuilt under the lock, then loaded.
