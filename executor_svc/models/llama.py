@@ -8,8 +8,9 @@ the paged KV cache and the attention backend), so this module knows nothing abou
 q/k/v and gate/up projections are fused into single matmuls; the loader slices the checkpoint's
 separate tensors into them. On CPU, once loaded, every linear weight (and lm_head) is repacked
 for oneDNN (`pack_linear_weights`, packed_linear.py; as float32 copies of bf16 weights where the
-CPU has no bf16 matmul), and may keep its plain weight too, for prefill-sized batches. Numerics follow the HF reference: RMSNorm in
-float32 then cast back, RoPE angles in float32, logits returned as float32.
+CPU has no bf16 matmul), and may keep its plain weight too, for prefill-sized batches. Numerics
+follow the HF reference: RMSNorm in float32 then cast back, RoPE angles in float32, logits
+returned as float32.
 
 With tensor parallelism (`tp`, see executor_svc/parallel.py) each rank holds num_heads / N query
 heads, num_kv_heads / N KV heads and intermediate_size / N of the MLP: q/k/v and gate/up are
@@ -201,8 +202,8 @@ class LlamaForCausalLM(nn.Module):
         self.plain_layers = len(kept)
         self.plain_bytes = sum(m.weight.numel() * m.weight.element_size() for m in kept)
         self.lm_head_packed = packed_linear.pack(self.lm_head_weight, None, widen)
-        self.widened_bytes = sum(p.numel() * p.element_size() for p in [m.packed for m in linears] + [self.lm_head_packed]
-                                 if p is not None and p.dtype != self.dtype)
+        copies = [m.packed for m in linears] + [self.lm_head_packed]
+        self.widened_bytes = sum(p.numel() * p.element_size() for p in copies if p is not None and p.dtype != self.dtype)
         if self.lm_head_packed is not None and not self.spec.tie_word_embeddings:
             self.lm_head_weight.data = self.lm_head_weight.data.new_empty(0)
         return ok and self.lm_head_packed is not None
