@@ -47,6 +47,7 @@ class Linear(nn.Module):
         self.weight = _param((out_features, in_features), dtype, device)
         self.bias = _param((out_features,), dtype, device) if bias else None
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout, once pack() ran
+        self.packed_bias: torch.Tensor | None = None  # the bias in the packed weight's dtype
         # With a packed copy: batches of at least this many rows still go to F.linear on the plain
         # weight, which is then kept (0: the packed copy serves every batch, the plain one is freed).
         self.plain_min_rows = 0
@@ -61,6 +62,8 @@ class Linear(nn.Module):
         if packed.dtype != self.weight.dtype:
             plain_min_rows = 0  # a widened copy is the fast one at every batch size
         self.packed = packed
+        # Converted once here, not in every call (it is the bias itself when the dtypes agree).
+        self.packed_bias = None if self.bias is None else self.bias.to(packed.dtype)
         self.plain_min_rows = plain_min_rows
         if not plain_min_rows:
             self.weight.data = self.weight.data.new_empty(0)  # only the packed copy is read from now on
@@ -68,7 +71,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and not (self.plain_min_rows and x.shape[0] >= self.plain_min_rows):
-            return packed_linear.linear(x, self.packed, self.bias)
+            return packed_linear.linear(x, self.packed, self.packed_bias)
         return F.linear(x, self.weight, self.bias)
 
 

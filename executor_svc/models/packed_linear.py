@@ -81,6 +81,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     """x @ W.T + bias with W as `pack` returned it, in x's dtype."""
     if packed.dtype == x.dtype:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    # A widened weight: float32 arithmetic, one rounding to x's dtype at the end.
+    # A widened weight: float32 arithmetic, one rounding to x's dtype at the end. (Linear keeps
+    # its bias in float32 already; pack's probe passes the weight's own.)
     wide_bias = None if bias is None else bias.to(packed.dtype)
     return torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, wide_bias, "none", [], "").to(x.dtype)
