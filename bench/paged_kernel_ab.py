@@ -78,9 +78,11 @@ def main(argv=None) -> int:
                     run(name)
                     ms[name].append(1000 * (time.perf_counter() - t0))
         ratios = sorted(o / n for o, n in zip(ms["old"], ms["new"]))
-        entry: dict = {"outputs_equal": equal, "ms": ms,
-                 "min_ms": {k: min(v) for k, v in ms.items()}, "median_ms": {k: statistics.median(v) for k, v in ms.items()},
-                 "old_over_new_paired": {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}}
+        entry: dict = {
+            "outputs_equal": equal, "ms": ms,
+            "min_ms": {k: min(v) for k, v in ms.items()}, "median_ms": {k: statistics.median(v) for k, v in ms.items()},
+            "old_over_new_paired": {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]},
+        }
         result["cases"][case] = entry
         paired = entry["old_over_new_paired"]
         print(f"{case}: old {entry['median_ms']['old']:.1f} ms, new {entry['median_ms']['new']:.1f} ms (medians; "
