@@ -331,7 +331,10 @@ def test_entry_commands_run_as_plain_processes(tiny_llama_path, tmp_path):
     from chunkwise_tools.serve import READY_EXECUTOR, READY_SCHEDULER, launch, wait_healthy
 
     executor_svc, scheduler_svc = service("executor-cpu"), service("scheduler-cpu")
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKWISE_")}
+    # Without TORCHINDUCTOR_CACHE_DIR too, which this process may have been given by an inductor
+    # import (it sets its /tmp default): the executor must choose the chunkwise cache itself.
+    base_env = {k: v for k, v in os.environ.items()
+                if not k.startswith("CHUNKWISE_") and k != "TORCHINDUCTOR_CACHE_DIR"}
     # What the image's ENV provides, with the cache somewhere writable here.
     base_env.update(CHUNKWISE_CACHE_DIR=str(tmp_path / "cache"), HF_HUB_OFFLINE="1",
                     TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -347,6 +350,11 @@ def test_entry_commands_run_as_plain_processes(tiny_llama_path, tmp_path):
             wait_healthy(executor.address, name, START_TIMEOUT)
         probe = run_probe(executor_svc, executor.address)
         assert probe.returncode == 0 and "SERVING" in probe.stdout, probe.stdout + probe.stderr
+        # The decode kernel was built in this fresh cache, and inductor's compile files went with
+        # it (not to /tmp/torchinductor_<user>, where nothing ever deletes them).
+        assert list((tmp_path / "cache" / "kernels").glob("paged_decode_*.pt2"))
+        inductor_dir = tmp_path / "cache" / "inductor"
+        assert inductor_dir.is_dir() and any(inductor_dir.iterdir()), "inductor wrote outside the chunkwise cache"
 
         metrics_port = free_port()
         cmd = with_flags(scheduler_svc["command"], executor=executor.address, host="127.0.0.1", port="0",

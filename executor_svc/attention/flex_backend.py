@@ -45,6 +45,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ..kv_cache import write_kv
 from .base import AttentionBackend, BatchLayout
+from .paged_decode import use_chunkwise_inductor_cache
 
 # Query rows per block-mask tile. Every row of a tile visits every block the tile lists, so a
 # tile of decode rows from many requests does each row's work once per request in it: small
@@ -181,6 +182,7 @@ class FlexAttentionBackend(AttentionBackend):
         # different one once more with symbolic sizes, then no more compiles). CPU: static shapes
         # (one compile per step shape, eager past torch's recompile limit), because torch 2.13's
         # C++ FlexAttention template does not compile with symbolic query or key lengths.
+        use_chunkwise_inductor_cache()
         return torch.compile(flex_attention, dynamic=False if device.type == "cpu" else None)
 
     def prepare(self, layout: BatchLayout) -> _FlexStep:

@@ -36,6 +36,7 @@ import logging
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 import zipfile
@@ -156,12 +157,17 @@ def paged_decode_reference(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.
     return out.reshape(b, h, d).to(q.dtype)
 
 
-def inductor_cache_dir() -> str:
-    """Where inductor keeps its compile cache: $TORCHINDUCTOR_CACHE_DIR if set, else under the
-    chunkwise cache root (not /tmp), so that a rebuild and other compiled code reuse it."""
+def use_chunkwise_inductor_cache() -> None:
+    """Point inductor's on-disk cache under the chunkwise cache root (not /tmp) unless
+    $TORCHINDUCTOR_CACHE_DIR is set, so that a rebuild and other compiled code reuse it.
+
+    Call it before anything imports torch._inductor: that import sets the variable to inductor's
+    default (/tmp/torchinductor_<user>) when it is unset, and from then on this cannot tell
+    torch's value from the user's, so it leaves the variable alone."""
     from chunkwise.model_source import cache_root
 
-    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_root() / "inductor")
+    if "torch._inductor" not in sys.modules:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
 
 
 def compiler_unavailable_reason(device: torch.device) -> str | None:
@@ -319,10 +325,10 @@ def _load(path: Path) -> Any:
 def _build(path: Path, h: int, kvh: int, d: int, dtype: torch.dtype) -> None:
     """Export the reference with dynamic batch, key count and cache size, compile it with
     AOTInductor and write the package to `path` (atomically: a reader never sees half a file)."""
+    use_chunkwise_inductor_cache()  # before the imports below, which import torch._inductor
     import torch._inductor
     from torch.export import Dim, export
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
     rows, keys, slots_n = Dim("rows", min=MIN_PADDED), Dim("keys", min=MIN_PADDED), Dim("slots", min=MIN_PADDED)
     # The example's sizes are the hints inductor plans the loops by: a typical decode batch.
     b, length = WARM_UP_SHAPES[0]
