@@ -127,6 +127,9 @@ class BlockPool:
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._index: dict[BlockHash, int] = {}
         self._events: list[KVEvent] | None = None  # None: not recording
+        # False: hand blocks out in the order the free lists give them (bench/block_order.py's
+        # baseline); see `allocate`.
+        self.ascending = True
 
     # ----- KV events -----
 
@@ -222,7 +225,17 @@ class BlockPool:
     # ----- allocation -----
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take `num_blocks` free blocks, each with ref count 1. Empty blocks go first."""
+        """Take `num_blocks` free blocks, each with ref count 1. Empty blocks go first.
+
+        They are returned in ascending id order, whatever order the free lists gave them in.
+        Which blocks are taken is the eviction policy's choice; the order they take in a block
+        table is not, and it decides how fast attention reads them: blocks of consecutive ids
+        are consecutive in memory, so a table in ascending runs reads as one forward stream,
+        where one in descending runs or scattered makes the CPU's prefetcher start over at every
+        block. Evicted chains come off the LRU list tail first (see `release`), i.e. in
+        descending order, so without the sort a pool full of cached blocks hands out mostly
+        descending tables: on the seed workload's tables the CPU decode kernel was 1.18-1.27x
+        slower with them (bench/block_order.py, bench/RESULTS.md section 2)."""
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"cannot allocate {num_blocks} blocks: only {self.num_free_blocks} free")
         taken: list[int] = []
@@ -234,6 +247,8 @@ class BlockPool:
                 self._evict(self.blocks[block_id])
             self.blocks[block_id].ref_count = 1
             taken.append(block_id)
+        if self.ascending:
+            taken.sort()
         return taken
 
     def _evict(self, block: KVBlock) -> None:
