@@ -15,7 +15,10 @@ runs two runners in interleaved rounds, one with its linear layers on oneDNN's p
 pits the default (the packed copy alone) against batches of >= 512 rows on a second, plain copy
 of the weights (--cpu-plain-weight-min-rows 512); --compare-prefill-pieces
 likewise pits prefill attention in pieces of rows (the default on CPU) against one SDPA call per
-chunk. Each run reports the page faults and system time it took; --no-cpu-keep-freed-memory
+chunk; --compare-block-order runs the workload under two schedulers that keep their block pools
+across rounds (a warm server's state: from the third round on every allocation evicts), one
+handing blocks out in ascending order (the default) and one in the order its free lists give
+them (bench/block_order.py). Each run reports the page faults and system time it took; --no-cpu-keep-freed-memory
 leaves glibc's malloc thresholds at their defaults (executor_svc/cpu_malloc.py), process-wide, so
 that A/B alternates processes rather than runners.
 """
@@ -60,10 +63,15 @@ FAMILIES = (
 )
 
 
-def run(runner: ModelRunner, requests, budget: int, salt: str, profile: bool) -> dict:
-    sched_cfg = SchedulerConfig(max_model_len=runner.max_model_len, block_size=16, max_num_batched_tokens=budget,
-                                enable_prefix_caching=True, enable_chunked_prefill=True)
-    sched = Scheduler(sched_cfg, runner.num_kv_blocks)
+def new_scheduler(runner: ModelRunner, budget: int) -> Scheduler:
+    cfg = SchedulerConfig(max_model_len=runner.max_model_len, block_size=16, max_num_batched_tokens=budget,
+                          enable_prefix_caching=True, enable_chunked_prefill=True)
+    return Scheduler(cfg, runner.num_kv_blocks)
+
+
+def run(runner: ModelRunner, requests, budget: int, salt: str, profile: bool, sched: Scheduler | None = None) -> dict:
+    """One pass of the workload; on a fresh scheduler (an empty block pool) unless one is given."""
+    sched = sched if sched is not None else new_scheduler(runner, budget)
     for i, r in enumerate(requests):
         sched.add_request(Request(f"{salt}-r{i}", list(r.prompt_token_ids), SamplingParams(temperature=0.0),
                                   max_tokens=r.max_tokens, ignore_eos=True, cache_salt=salt))
@@ -222,6 +230,10 @@ def main(argv=None) -> int:
     p.add_argument("--compare-prefill-pieces", action="store_true",
                    help="two runners, prefill attention in pieces of rows (the default) and one SDPA call per "
                         "chunk, in interleaved rounds, with the paired ratio")
+    p.add_argument("--compare-block-order", action="store_true",
+                   help="one runner, two schedulers each keeping its block pool across rounds (so that from the "
+                        "third round on every allocation evicts), one handing blocks out ascending (the "
+                        "default) and one in the order its free lists give them, in interleaved rounds")
     p.add_argument("--decode", nargs=2, type=int, metavar=("BATCH", "CTX"),
                    help="instead of the workload: decode steps of BATCH requests at context CTX (median of 5 a round)")
     p.add_argument("--json")
@@ -241,7 +253,9 @@ def main(argv=None) -> int:
     if ns.compare_plain_weights:
         runners = {"packed-only": runners["default"],
                    "plain-for-large": ModelRunner(dataclasses.replace(config, cpu_plain_weight_min_rows=512))}
-    for r in runners.values():
+    if ns.compare_block_order:  # the same runner under two schedulers; each run has its own cache salt
+        runners = {"ascending": runners["default"], "as-freed": runners["default"]}
+    for r in {id(r): r for r in runners.values()}.values():
         r.initialize(16)
     if ns.profile:
         name_paged_kernel_in_profiles()
@@ -251,6 +265,10 @@ def main(argv=None) -> int:
     requests = random_dataset(ns.num_prompts, input_len=637, output_len=ns.output_len, prefix_len=180,
                               num_prefix_groups=8, vocab_size=first.spec.vocab_size, seed=0)
     names = list(runners)
+    schedulers: dict[str, Scheduler] = {}
+    if ns.compare_block_order:
+        schedulers = {name: new_scheduler(first, ns.budget) for name in names}
+        schedulers["as-freed"].block_pool.ascending = False
     runs: list[dict] = []
     for i in range(ns.repeats):
         for name in (names if i % 2 == 0 else names[::-1]):  # alternate which goes first
@@ -262,7 +280,8 @@ def main(argv=None) -> int:
                 print(f"round {i} {name}: decode step {ns.decode[0]} x {ns.decode[1]}: {r['step_ms']:.1f} ms", flush=True)
                 print_profile(r)
             else:
-                r = run(runner, requests, ns.budget, salt=f"r{i}-{name}", profile=ns.profile and i == ns.repeats - 1)
+                r = run(runner, requests, ns.budget, salt=f"r{i}-{name}", profile=ns.profile and i == ns.repeats - 1,
+                        sched=schedulers.get(name))
                 report(f"round {i} {name}", r)
             r.update(round=i, runner=name)
             runs.append(r)
@@ -273,7 +292,8 @@ def main(argv=None) -> int:
               "runs": runs}
     for flag, base, new, key in ((ns.compare_packing, "F.linear", "packed", "plain_over_packed"),
                                  (ns.compare_plain_weights, "packed-only", "plain-for-large", "packed_only_over_plain_for_large"),
-                                 (ns.compare_prefill_pieces, "one-call", "pieces", "one_call_over_pieces")):
+                                 (ns.compare_prefill_pieces, "one-call", "pieces", "one_call_over_pieces"),
+                                 (ns.compare_block_order, "as-freed", "ascending", "as_freed_over_ascending")):
         if flag:
             paired(result, runs, base, new, key, ns.repeats, kinds=() if ns.decode else ("mixed", "decode-only"))
     write_json(ns.json, result)
