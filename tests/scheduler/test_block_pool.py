@@ -134,7 +134,7 @@ def test_eviction_is_lru_and_tail_first_within_a_chain():
     pool.release(b)
     assert pool.cached_free_block_ids() == [a[2], a[1], a[0], b[2], b[1], b[0]]
     evicted = pool.allocate(2)
-    assert sorted(evicted) == sorted([a[2], a[1]])  # handed out in ascending order (next test)
+    assert sorted(evicted) == sorted([a[2], a[1]])  # handed out in ascending order (the test above)
     assert all(pool.blocks[x].block_hash is None for x in evicted)
     # a's head block is still cached and found; a's tail is gone from the index.
     a_hashes = chain_hashes([1, 2, 3, 4, 5, 6], 2)
