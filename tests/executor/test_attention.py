@@ -32,7 +32,8 @@ from executor_svc.attention.paged_decode import (
 )
 from executor_svc.kv_cache import KVCache, KVCacheShape
 
-HEADS, KV_HEADS, DIM = 4, 2, 16
+# DIM spans several of the decode kernel's value pieces on AVX2 (8 floats) and AVX-512 (16) alike.
+HEADS, KV_HEADS, DIM = 4, 2, 32
 
 
 def build_case(chunks, block_size, num_blocks, device="cpu", dtype=torch.float32, seed=0, dim=DIM):
