@@ -15,7 +15,8 @@ runs two runners in interleaved rounds, one with its linear layers on oneDNN's p
 pits the default (the packed copy alone) against batches of >= 512 rows on a second, plain copy
 of the weights (--cpu-plain-weight-min-rows 512); --compare-prefill-pieces
 likewise pits prefill attention in pieces of rows (the default on CPU) against one SDPA call per
-chunk; --compare-block-order runs the workload under two schedulers that keep their block pools
+chunk; --compare-prefill-gemm pits bf16 prefill attention as GEMMs (the default where the CPU
+multiplies bf16 natively) against torch's flash SDPA; --compare-block-order runs the workload under two schedulers that keep their block pools
 across rounds (a warm server's state: from the third round on every allocation evicts), one
 handing blocks out in ascending order (the default) and one in the order its free lists give
 them (bench/block_order.py). Each run reports the page faults and system time it took; --no-cpu-keep-freed-memory
@@ -42,6 +43,7 @@ from chunkwise.plan import NewRequestData, RunningRequestDelta, SamplingParams, 
 from chunkwise_tools.loadtest.datasets import random_dataset
 from executor_svc.config import ExecutorConfig
 from executor_svc.engine import ModelRunner
+from executor_svc.attention.torch_backend import PREFILL_PIECE_ROWS
 from executor_svc.models import packed_linear
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.request import Request
@@ -230,6 +232,9 @@ def main(argv=None) -> int:
     p.add_argument("--compare-prefill-pieces", action="store_true",
                    help="two runners, prefill attention in pieces of rows (the default) and one SDPA call per "
                         "chunk, in interleaved rounds, with the paired ratio")
+    p.add_argument("--compare-prefill-gemm", action="store_true",
+                   help="two runners, bf16 prefill attention as GEMMs in oneDNN's bf16 float32 mode (the "
+                        "default on CPUs with native bf16) and torch's flash SDPA, in interleaved rounds")
     p.add_argument("--compare-block-order", action="store_true",
                    help="one runner, two schedulers each keeping its block pool across rounds (so that from the "
                         "third round on every allocation evicts), one handing blocks out ascending (the "
@@ -253,6 +258,8 @@ def main(argv=None) -> int:
     if ns.compare_plain_weights:
         runners = {"packed-only": runners["default"],
                    "plain-for-large": ModelRunner(dataclasses.replace(config, cpu_plain_weight_min_rows=512))}
+    if ns.compare_prefill_gemm:
+        runners = {"gemm": runners["default"], "sdpa": ModelRunner(config)}
     if ns.compare_block_order:  # the same runner under two schedulers; each run has its own cache salt
         runners = {"ascending": runners["default"], "as-freed": runners["default"]}
     for r in {id(r): r for r in runners.values()}.values():
@@ -261,6 +268,12 @@ def main(argv=None) -> int:
         name_paged_kernel_in_profiles()
     if ns.compare_prefill_pieces:
         runners["one-call"].backend.prefill_piece_rows = None
+    if ns.compare_prefill_gemm:
+        if not runners["gemm"].backend.prefill_bf16_gemm:
+            raise SystemExit("--compare-prefill-gemm: the default runner does not take the GEMM path "
+                             "(it needs --dtype bfloat16 on a CPU with native bf16)")
+        runners["sdpa"].backend.prefill_bf16_gemm = False
+        runners["sdpa"].backend.prefill_piece_rows = PREFILL_PIECE_ROWS
     first = next(iter(runners.values()))
     requests = random_dataset(ns.num_prompts, input_len=637, output_len=ns.output_len, prefix_len=180,
                               num_prefix_groups=8, vocab_size=first.spec.vocab_size, seed=0)
@@ -293,7 +306,8 @@ def main(argv=None) -> int:
     for flag, base, new, key in ((ns.compare_packing, "F.linear", "packed", "plain_over_packed"),
                                  (ns.compare_plain_weights, "packed-only", "plain-for-large", "packed_only_over_plain_for_large"),
                                  (ns.compare_prefill_pieces, "one-call", "pieces", "one_call_over_pieces"),
-                                 (ns.compare_block_order, "as-freed", "ascending", "as_freed_over_ascending")):
+                                 (ns.compare_block_order, "as-freed", "ascending", "as_freed_over_ascending"),
+                                 (ns.compare_prefill_gemm, "sdpa", "gemm", "sdpa_over_gemm")):
         if flag:
             paired(result, runs, base, new, key, ns.repeats, kinds=() if ns.decode else ("mixed", "decode-only"))
     write_json(ns.json, result)

@@ -45,7 +45,7 @@ from . import cpu_malloc
 from .attention import (AttentionBackend, BatchLayout, FlexAttentionBackend, StepAttention, TorchAttentionBackend,
                         select_backend)
 from .attention.paged_decode import PagedDecodeKernel
-from .config import ExecutorConfig
+from .config import ExecutorConfig, cpu_bf16_flags
 from .kv_cache import KVCache, KVCacheShape, plan_num_blocks
 from .loader import load_model, read_spec
 from .models.llama import Linear
@@ -298,10 +298,13 @@ class ModelRunner:
             broadcast(("initialize", block_size, num_blocks))
         self.kv_cache = KVCache(shape, num_blocks, block_size, self.device)
         if backend_cls is TorchAttentionBackend:
-            torch_backend = TorchAttentionBackend(
-                self.num_heads, self.num_kv_heads, self.spec.head_dim, decode_kernel=self.decode_kernel)
+            # bf16 prefill as GEMMs where the CPU multiplies bf16 natively (see torch_backend.py).
+            bf16_gemm = self.device.type == "cpu" and self.dtype == torch.bfloat16 and bool(cpu_bf16_flags())
+            torch_backend = TorchAttentionBackend(self.num_heads, self.num_kv_heads, self.spec.head_dim,
+                                                  decode_kernel=self.decode_kernel, prefill_bf16_gemm=bf16_gemm)
             backend: AttentionBackend = torch_backend
             decode = torch_backend.decode_path
+            reason = f"{reason}; prefill: {torch_backend.prefill_path}"
         elif backend_cls is FlexAttentionBackend:  # --enforce-eager: FlexAttention's dense eager reference
             backend = FlexAttentionBackend(self.num_heads, self.num_kv_heads, self.spec.head_dim,
                                            compile=not self.config.enforce_eager)

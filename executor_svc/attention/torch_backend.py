@@ -3,7 +3,10 @@
 Prefill chunks: per request, gather its blocks from the paged cache (one index_select of whole
 blocks), trim to the context length and run scaled_dot_product_attention with a causal mask
 offset by the number of positions before the chunk. On CPU a long chunk's query rows go in
-pieces, each against only the keys up to its own last position (see PREFILL_PIECE_ROWS).
+pieces, each against only the keys up to its own last position (see PREFILL_PIECE_ROWS). With
+`prefill_bf16_gemm` (bf16 on a CPU with native bf16 matmuls) each piece is instead two oneDNN
+GEMMs that take bf16 inputs and give float32 results, with the softmax between them in float32
+(see PREFILL_GEMM_PIECE_ROWS).
 
 Single-query rows (decodes, and a fully cached prompt's last token) take one of two paths:
 - with a ready PagedDecodeKernel (CPU, inductor): a call per group of rows of similar context
@@ -42,6 +45,18 @@ DECODE_GROUP_MAX_KEYS = 1 << 16
 # (bench/RESULTS.md section 2b). Each row's softmax still runs over exactly its visible keys.
 PREFILL_PIECE_ROWS = 192
 
+# bf16 prefill on a CPU with native bf16 matmuls (AVX512-BF16, AMX): torch's CPU flash kernel runs
+# at ~160 GFLOP/s on head dim 64 there, a sixth of the bf16 matmul rate, bf16 or not (its tiles'
+# GEMMs are small). Written as scores = q k^T (one batched GEMM, the query heads of each KV head
+# folded into its rows), exp and sum in float32, then the unnormalised weights times the values
+# (a second GEMM) divided by the sum, each piece is 1.1-1.25x faster over the seed workload's chunk
+# shapes on a Zen 5, with flash's precision: the GEMMs run in oneDNN's "bf16" float32 mode, which
+# rounds their inputs to bf16 (exact for bf16 queries, keys and values; the weights in [0, 1] are
+# rounded as flash rounds them) and keeps float32 sums and results, so the scores are not rounded
+# to bf16 as a bf16 GEMM's output would be, and the output is rounded once, after the division
+# (bench/RESULTS.md section 2). Smaller pieces than SDPA's keep a piece's float32 scores in cache.
+PREFILL_GEMM_PIECE_ROWS = 96
+
 
 def _sdpa_supports_gqa() -> bool:
     # enable_gqa arrived in torch 2.5; older versions need the KV heads repeated.
@@ -68,6 +83,9 @@ class _Piece:
     # mask on a 461 x 637 chunk (bench/RESULTS.md).
     mask: torch.Tensor | None
     causal: bool  # the rows are exactly positions 0..num_keys-1 (plain causal, no mask)
+    # The GEMM path's additive mask [1, G * rows, num_keys] float32 (0 or -inf), the rows of each
+    # KV head's G query heads stacked; made at the first layer.
+    gemm_bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -109,11 +127,20 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 decode_kernel: PagedDecodeKernel | None = None, prefill_piece_rows: int | None = PREFILL_PIECE_ROWS):
+                 decode_kernel: PagedDecodeKernel | None = None, prefill_piece_rows: int | None = PREFILL_PIECE_ROWS,
+                 prefill_bf16_gemm: bool = False):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.decode_kernel = decode_kernel if decode_kernel is not None and decode_kernel.ready else None
+        # bf16 prefill pieces as two GEMMs (see PREFILL_GEMM_PIECE_ROWS): for CPUs with native
+        # bf16 matmuls; chunks of other dtypes take SDPA whatever this says.
+        self.prefill_bf16_gemm = prefill_bf16_gemm
         # None: one call per chunk (what CUDA always gets: its kernels skip masked tiles themselves).
-        self.prefill_piece_rows = prefill_piece_rows
+        self.prefill_piece_rows = PREFILL_GEMM_PIECE_ROWS if prefill_bf16_gemm else prefill_piece_rows
+
+    @property
+    def prefill_path(self) -> str:
+        """How prefill chunks attend: 'bf16-gemm' (bf16 chunks; others take SDPA) or 'sdpa'."""
+        return "bf16-gemm" if self.prefill_bf16_gemm else "sdpa"
 
     @property
     def decode_path(self) -> str:
@@ -216,15 +243,54 @@ class TorchAttentionBackend(AttentionBackend):
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, **extra)
 
+    def _gemm_piece(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p: _Piece) -> torch.Tensor:
+        """One piece by the GEMM path: q [rows, H, D] bf16; keys, values [KVH, num_keys, D] float32
+        (bf16 values). Returns [rows, H, D] float32. Runs under oneDNN's bf16 float32 mode."""
+        rows, kvh, d = q.shape[0], self.num_kv_heads, self.head_dim
+        g = self.num_heads // kvh
+        if p.gemm_bias is None:
+            attend = p.mask if p.mask is not None else torch.ones(rows, p.num_keys, dtype=torch.bool,
+                                                                   device=q.device).tril_()
+            p.gemm_bias = torch.zeros(1, g * rows, p.num_keys, device=q.device).masked_fill_(
+                ~attend.repeat(g, 1)[None], float("-inf"))
+        qf = q.view(rows, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * rows, d).float()
+        scores = torch.baddbmm(p.gemm_bias, qf, keys.transpose(1, 2), alpha=self.scale)
+        # Every row sees at least key 0, so its max is finite and exp() of it is 1.
+        weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+        out = torch.bmm(weights, values).div_(weights.sum(-1, keepdim=True))  # [KVH, G * rows, D]
+        return out.view(kvh, g, rows, d).permute(2, 0, 1, 3).reshape(rows, self.num_heads, d)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
                 layout: BatchLayout, prepared: _TorchStep) -> torch.Tensor:
         write_kv(layer_cache, k, v, layout.slot_mapping, layout.write_rows)
-        k_cache, v_cache = layer_cache[0], layer_cache[1]  # [num_blocks, block_size, KVH, D]
         out = torch.empty_like(q)
+        if self.prefill_bf16_gemm and q.dtype == torch.bfloat16 and prepared.prefills:
+            # Process-wide: float32 matmuls round their inputs to bf16 while it is set. The
+            # executor's torch work is on one thread, and only the two GEMMs run in here.
+            matmul = torch.backends.mkldnn.matmul
+            before, matmul.fp32_precision = matmul.fp32_precision, "bf16"
+            try:
+                self._prefill(q, layer_cache, layout, prepared, out, gemm=True)
+            finally:
+                matmul.fp32_precision = before
+        else:
+            self._prefill(q, layer_cache, layout, prepared, out, gemm=False)
+        self._decode(q, layer_cache, layout, prepared, out)
+        return out
+
+    def _prefill(self, q: torch.Tensor, layer_cache: torch.Tensor, layout: BatchLayout, prepared: _TorchStep,
+                 out: torch.Tensor, gemm: bool) -> None:
+        k_cache, v_cache = layer_cache[0], layer_cache[1]  # [num_blocks, block_size, KVH, D]
         for s in prepared.prefills:
             blocks = layout.block_table[s.row, : s.num_blocks]
             keys = k_cache.index_select(0, blocks).flatten(0, 1)[: s.context_len].transpose(0, 1)  # [KVH, ctx, D]
             values = v_cache.index_select(0, blocks).flatten(0, 1)[: s.context_len].transpose(0, 1)
+            if gemm:
+                keys, values = keys.float(), values.float()
+                for p in s.pieces:
+                    out[p.q0 : p.q1] = self._gemm_piece(q[p.q0 : p.q1], keys[:, : p.num_keys],
+                                                        values[:, : p.num_keys], p)
+                continue
             for p in s.pieces:
                 if p.mask is not None and p.mask.dtype == torch.bool:
                     p.mask = torch.zeros(p.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~p.mask, float("-inf"))
@@ -232,6 +298,10 @@ class TorchAttentionBackend(AttentionBackend):
                                keys[:, : p.num_keys].unsqueeze(0),  # [1, KVH, keys, D]
                                values[:, : p.num_keys].unsqueeze(0), p.mask, p.causal)
                 out[p.q0 : p.q1] = o[0].transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, layer_cache: torch.Tensor, layout: BatchLayout, prepared: _TorchStep,
+                out: torch.Tensor) -> None:
+        k_cache, v_cache = layer_cache[0], layer_cache[1]
         for d in prepared.paged_decodes:
             assert self.decode_kernel is not None
             if not d.checked:
@@ -255,4 +325,3 @@ class TorchAttentionBackend(AttentionBackend):
             o = F.scaled_dot_product_attention(folded, keys.transpose(1, 2), values.transpose(1, 2),
                                                attn_mask=g.mask, scale=self.scale)
             out.index_copy_(0, g.q_rows, o.reshape(n, self.num_heads, self.head_dim))
-        return out
