@@ -56,6 +56,9 @@ PREFILL_PIECE_ROWS = 192
 # to bf16 as a bf16 GEMM's output would be, and the output is rounded once, after the division
 # (bench/RESULTS.md section 2). Smaller pieces than SDPA's keep a piece's float32 scores in cache.
 PREFILL_GEMM_PIECE_ROWS = 96
+# Longer contexts take SDPA: the GEMM path holds a piece's float32 scores and an additive mask of
+# the same size per piece for the step ([G x rows, keys] floats each), which flash never makes.
+PREFILL_GEMM_MAX_KEYS = 4096
 
 
 def _sdpa_supports_gqa() -> bool:
@@ -264,32 +267,30 @@ class TorchAttentionBackend(AttentionBackend):
                 layout: BatchLayout, prepared: _TorchStep) -> torch.Tensor:
         write_kv(layer_cache, k, v, layout.slot_mapping, layout.write_rows)
         out = torch.empty_like(q)
-        if self.prefill_bf16_gemm and q.dtype == torch.bfloat16 and prepared.prefills:
-            # Process-wide: float32 matmuls round their inputs to bf16 while it is set. The
-            # executor's torch work is on one thread, and only the two GEMMs run in here.
-            matmul = torch.backends.mkldnn.matmul
-            before, matmul.fp32_precision = matmul.fp32_precision, "bf16"
-            try:
-                self._prefill(q, layer_cache, layout, prepared, out, gemm=True)
-            finally:
-                matmul.fp32_precision = before
-        else:
-            self._prefill(q, layer_cache, layout, prepared, out, gemm=False)
+        self._prefill(q, layer_cache, layout, prepared, out)
         self._decode(q, layer_cache, layout, prepared, out)
         return out
 
     def _prefill(self, q: torch.Tensor, layer_cache: torch.Tensor, layout: BatchLayout, prepared: _TorchStep,
-                 out: torch.Tensor, gemm: bool) -> None:
+                 out: torch.Tensor) -> None:
         k_cache, v_cache = layer_cache[0], layer_cache[1]  # [num_blocks, block_size, KVH, D]
+        gemm = self.prefill_bf16_gemm and q.dtype == torch.bfloat16
         for s in prepared.prefills:
             blocks = layout.block_table[s.row, : s.num_blocks]
             keys = k_cache.index_select(0, blocks).flatten(0, 1)[: s.context_len].transpose(0, 1)  # [KVH, ctx, D]
             values = v_cache.index_select(0, blocks).flatten(0, 1)[: s.context_len].transpose(0, 1)
-            if gemm:
+            if gemm and s.context_len <= PREFILL_GEMM_MAX_KEYS:
                 keys, values = keys.float(), values.float()
-                for p in s.pieces:
-                    out[p.q0 : p.q1] = self._gemm_piece(q[p.q0 : p.q1], keys[:, : p.num_keys],
-                                                        values[:, : p.num_keys], p)
+                # Process-wide: float32 matmuls round their inputs to bf16 while it is set. The
+                # executor's torch work is on one thread, and only the two GEMMs run under it.
+                matmul = torch.backends.mkldnn.matmul
+                before, matmul.fp32_precision = matmul.fp32_precision, "bf16"
+                try:
+                    for p in s.pieces:
+                        out[p.q0 : p.q1] = self._gemm_piece(q[p.q0 : p.q1], keys[:, : p.num_keys],
+                                                            values[:, : p.num_keys], p)
+                finally:
+                    matmul.fp32_precision = before
                 continue
             for p in s.pieces:
                 if p.mask is not None and p.mask.dtype == torch.bool:

@@ -465,13 +465,18 @@ def test_flash_attn_runner_matches_transformers(tiny_checkpoint):
     assert (logits["a"] - ref[200:]).abs().max() < 0.25
 
 
-@pytest.mark.parametrize("piece_rows", [None, 5])
-def test_bf16_prefill_as_gemms_within_bf16_rounding_and_no_worse_than_sdpa(piece_rows, monkeypatch):
+@pytest.mark.parametrize("piece_rows, max_keys", [(None, None), (5, None), (5, 30)])
+def test_bf16_prefill_as_gemms_within_bf16_rounding_and_no_worse_than_sdpa(piece_rows, max_keys, monkeypatch):
     # The bf16 GEMM path (oneDNN's bf16 float32 mode: bf16 inputs, float32 sums and results)
     # against the float32 reference: as close as SDPA's bf16 kernel is, within a few bf16 ulps.
-    layout, cache32, q, k, v, fk, fv = build_case(LONG_CHUNKS + CHUNKS[:2], 16, num_blocks=128, seed=11)
-    _, cache16, q16, k16, v16, _, _ = build_case(LONG_CHUNKS + CHUNKS[:2], 16, num_blocks=128,
-                                                 dtype=torch.bfloat16, seed=11)
+    # With max_keys 30 the 35-key chunk takes SDPA instead, the others the GEMMs.
+    import executor_svc.attention.torch_backend as tb
+
+    if max_keys is not None:
+        monkeypatch.setattr(tb, "PREFILL_GEMM_MAX_KEYS", max_keys)
+    chunks = LONG_CHUNKS + CHUNKS[:2]
+    layout, cache32, q, k, v, fk, fv = build_case(chunks, 16, num_blocks=128, seed=11)
+    _, cache16, q16, k16, v16, _, _ = build_case(chunks, 16, num_blocks=128, dtype=torch.bfloat16, seed=11)
     want = naive_attention(q, fk, fv, layout)
     gemm = TorchAttentionBackend(HEADS, KV_HEADS, DIM, prefill_bf16_gemm=True)
     assert gemm.prefill_path == "bf16-gemm"
@@ -479,17 +484,18 @@ def test_bf16_prefill_as_gemms_within_bf16_rounding_and_no_worse_than_sdpa(piece
     sdpa = TorchAttentionBackend(HEADS, KV_HEADS, DIM, prefill_piece_rows=piece_rows)
     prefill_rows = torch.tensor([n > 1 for n in layout.query_lens]).repeat_interleave(torch.tensor(layout.query_lens))
     errs = {}
+    calls: list[torch.Size] = []
     for name, backend in (("sdpa", sdpa), ("gemm", gemm)):  # each writes the same K/V into the cache
-        if name == "gemm":  # prefill rows must not reach SDPA on this path (decode rows may)
-            calls = []
+        if name == "gemm":  # which prefill rows reach SDPA on this path
             real_sdpa = torch.nn.functional.scaled_dot_product_attention
             monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                                 lambda q_, *a, **kw: calls.append(q_.shape) or real_sdpa(q_, *a, **kw))
         got = StepAttention(backend, cache16, layout)(0, q16, k16, v16)
         assert got.dtype == torch.bfloat16
         errs[name] = (got.float() - want)[prefill_rows].abs().max().item()
-    # SDPA's prefill calls have q [1, HEADS, rows, D]; the decode rows' folded calls [n, KV_HEADS, ...].
-    assert not [shape for shape in calls if shape[1] == HEADS], calls
+    # SDPA's prefill calls have q [1, HEADS, rows, D] (decode rows' folded calls [n, KV_HEADS, ...]):
+    # none, or only the 19 rows of the 35-key chunk past max_keys.
+    assert sum(shape[2] for shape in calls if shape[1] == HEADS) == (0 if max_keys is None else 19), calls
     assert 0 < errs["gemm"] <= 2**-9 * 16, errs
     # No worse than SDPA (here 0.0080 vs 0.0104); rounding the weights to bf16 after normalising
     # them, or the GEMM's output before dividing, would make it 0.013.
