@@ -13,15 +13,16 @@ operator family (matmul, attention, elementwise, ...) over the whole run. --comp
 runs two runners in interleaved rounds, one with its linear layers on oneDNN's prepacked weights
 (the default on CPU) and one on F.linear, and reports the paired ratio; --compare-plain-weights
 pits the default (the packed copy alone) against batches of >= 512 rows on a second, plain copy
-of the weights (--cpu-plain-weight-min-rows 512); --compare-prefill-pieces
-likewise pits prefill attention in pieces of rows (the default on CPU) against one SDPA call per
-chunk; --compare-prefill-gemm pits bf16 prefill attention as GEMMs (the default where the CPU
-multiplies bf16 natively) against torch's flash SDPA; --compare-block-order runs the workload under two schedulers that keep their block pools
-across rounds (a warm server's state: from the third round on every allocation evicts), one
-handing blocks out in ascending order (the default) and one in the order its free lists give
-them (bench/block_order.py). Each run reports the page faults and system time it took; --no-cpu-keep-freed-memory
-leaves glibc's malloc thresholds at their defaults (executor_svc/cpu_malloc.py), process-wide, so
-that A/B alternates processes rather than runners.
+of the weights (--cpu-plain-weight-min-rows 512); --compare-prefill-pieces likewise pits prefill
+attention in pieces of rows (the default on CPU) against one SDPA call per chunk;
+--compare-prefill-gemm pits bf16 prefill attention as GEMMs (the default where the CPU
+multiplies bf16 natively) against torch's flash SDPA; --compare-block-order runs the workload
+under two schedulers that keep their block pools across rounds (a warm server's state: from the
+third round on every allocation evicts), one handing blocks out in ascending order (the
+default) and one in the order its free lists give them (bench/block_order.py). Each run reports
+the page faults and system time it took; --no-cpu-keep-freed-memory leaves glibc's malloc
+thresholds at their defaults (executor_svc/cpu_malloc.py), process-wide, so that A/B alternates
+processes rather than runners.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ from benchutil import name_paged_kernel_in_profiles, write_json
 from chunkwise.model_source import resolve_model
 from chunkwise.plan import NewRequestData, RunningRequestDelta, SamplingParams, ScheduledChunk, StepPlan
 from chunkwise_tools.loadtest.datasets import random_dataset
+from executor_svc.attention.torch_backend import PREFILL_PIECE_ROWS
 from executor_svc.config import ExecutorConfig
 from executor_svc.engine import ModelRunner
-from executor_svc.attention.torch_backend import PREFILL_PIECE_ROWS
 from executor_svc.models import packed_linear
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.request import Request
