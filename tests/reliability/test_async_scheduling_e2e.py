@@ -74,6 +74,11 @@ def with_stop_tokens(reqs: list[dict], reference) -> list[dict]:
     return out
 
 
+def cancelled_prompt(reqs: list[dict]) -> list[int]:
+    """The prompt of the stream `run` cancels: the first greedy request's first 24 tokens."""
+    return reqs[0]["prompt_token_ids"][:24]
+
+
 def run(address: str, reqs: list[dict]):
     def one(kw):
         with Client(address, timeout=120) as c:
@@ -82,9 +87,12 @@ def run(address: str, reqs: list[dict]):
     with ThreadPoolExecutor(len(reqs)) as pool:
         results = list(pool.map(one, reqs))
     with Client(address, timeout=120) as c:
-        # A stream cancelled after three tokens: it is aborted and its blocks are freed.
-        got = []
-        for chunk in c.stream(prompt_token_ids=reqs[0]["prompt_token_ids"], max_tokens=100, temperature=0,
+        # A stream cancelled after three tokens: it is aborted and its blocks are freed. Its
+        # prompt is short and it may run to max_model_len, so that the cancel reaches the server
+        # long before the request could end by itself (with max_tokens 100 on an 80-token
+        # prompt, a client stalled ~0.1 s on a loaded machine once let it finish by length).
+        got, prompt = [], cancelled_prompt(reqs)
+        for chunk in c.stream(prompt_token_ids=prompt, max_tokens=MAX_MODEL_LEN - len(prompt), temperature=0,
                               ignore_eos=True):
             got += chunk.token_ids
             if len(got) >= 3:
@@ -137,7 +145,7 @@ def test_async_and_sync_scheduling_give_identical_outputs(executor, reference, c
     for kw, r in zip(reqs[8:], async_[8:]):  # stop strings: the text ends before the stop, none after
         assert r.finish_reason in ("stop", "length")
         assert not any(s in r.text for s in kw["stop"])
-    assert async_cancelled == sync_cancelled == reference.greedy(reqs[0]["prompt_token_ids"], 100)[:3]
+    assert async_cancelled == sync_cancelled == reference.greedy(cancelled_prompt(reqs), 3)
     for st in (sync_stats, async_stats):
         assert_no_leak(st)
         assert st["requests_finished"]["abort"] == 1
