@@ -10,7 +10,8 @@ of 2,000 blocks of 16 tokens, block tables scattered over the pool. Cases:
 - mixed: one 461-query prefill chunk after a 176-token prefix hit (637 keys) plus 31 decodes
   at 700 (a CP+PC step).
 Paths timed: chunkwise's TorchAttentionBackend with the compiled paged decode kernel (the
-default) and with the --enforce-eager fallback (gather blocks + folded-query SDPA), and vLLM's
+default; for bf16 on a CPU with native bf16 also its prefill as GEMMs, as the executor builds it)
+and with the --enforce-eager fallback (gather blocks + folded-query SDPA), and vLLM's
 C++ CPU kernel (torch.ops._C.cpu_attention_with_kv_cache, one call per layer, see
 bench/vllm_kernel.py), run in bench/.venv-peers as a measuring stick when that venv exists. The
 same random K/V, queries and block tables (seeded) go to both. Rounds interleave chunkwise and
@@ -82,13 +83,18 @@ def time_passes(fn, repeats: int) -> float:
 def chunkwise_round(dtype_name: str, repeats: int, kernels: dict) -> dict[str, dict[str, float]]:
     from executor_svc.attention import BatchLayout, StepAttention, TorchAttentionBackend
     from executor_svc.attention.paged_decode import PagedDecodeKernel
+    from executor_svc.config import cpu_bf16_flags
     from executor_svc.kv_cache import KVCache, KVCacheShape
 
     dtype = getattr(torch, dtype_name)
     if dtype not in kernels:
         kernels[dtype] = PagedDecodeKernel(H, KVH, D, dtype, torch.device("cpu"), enforce_eager=False)
         assert kernels[dtype].ready, kernels[dtype].reason
-    backends = {"paged-inductor": TorchAttentionBackend(H, KVH, D, decode_kernel=kernels[dtype]),
+    # The default column as the executor builds it: bf16 prefill as GEMMs where the CPU has
+    # native bf16 (executor_svc/attention/torch_backend.py); the eager column keeps SDPA.
+    bf16_gemm = dtype == torch.bfloat16 and bool(cpu_bf16_flags())
+    backends = {"paged-inductor": TorchAttentionBackend(H, KVH, D, decode_kernel=kernels[dtype],
+                                                        prefill_bf16_gemm=bf16_gemm),
                 "sdpa-folded": TorchAttentionBackend(H, KVH, D)}
     out: dict[str, dict[str, float]] = {}
     for name, (qlens, ctxs) in cases().items():
