@@ -25,19 +25,16 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 from benchutil import write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from chunkwise.plan import SampledToken, SamplingParams, StepResult  # noqa: E402
-from chunkwise_tools.loadtest.datasets import random_dataset  # noqa: E402
-from executor_svc.attention.paged_decode import PagedDecodeKernel, decode_slots  # noqa: E402
-from scheduler_svc.core.config import SchedulerConfig  # noqa: E402
-from scheduler_svc.core.request import Request  # noqa: E402
-from scheduler_svc.core.scheduler import Scheduler  # noqa: E402
+from chunkwise.plan import SampledToken, SamplingParams, StepResult
+from chunkwise_tools.loadtest.datasets import random_dataset
+from executor_svc.attention.paged_decode import PagedDecodeKernel, decode_slots
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.scheduler import Scheduler
 
 BLOCK_SIZE, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 16, 30, 9, 3, 64, 49152
 

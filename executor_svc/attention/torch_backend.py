@@ -246,9 +246,10 @@ class TorchAttentionBackend(AttentionBackend):
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, **extra)
 
-    def _gemm_piece(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p: _Piece) -> torch.Tensor:
-        """One piece by the GEMM path: q [rows, H, D] bf16; keys, values [KVH, num_keys, D] float32
-        (bf16 values). Returns [rows, H, D] float32. Runs under oneDNN's bf16 float32 mode."""
+    def _gemm_piece(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p: _Piece,
+                    out: torch.Tensor) -> None:
+        """One piece by the GEMM path into `out` [rows, H, D] (contiguous): q [rows, H, D] bf16;
+        keys, values [KVH, num_keys, D] float32 (bf16 values). Runs under oneDNN's bf16 float32 mode."""
         rows, kvh, d = q.shape[0], self.num_kv_heads, self.head_dim
         g = self.num_heads // kvh
         if p.gemm_bias is None:
@@ -256,12 +257,14 @@ class TorchAttentionBackend(AttentionBackend):
                                                                    device=q.device).tril_()
             p.gemm_bias = torch.zeros(1, g * rows, p.num_keys, device=q.device).masked_fill_(
                 ~attend.repeat(g, 1)[None], float("-inf"))
-        qf = q.view(rows, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * rows, d).float()
+        # One copy: converted straight into the folded layout.
+        qf = q.view(rows, kvh, g, d).permute(1, 2, 0, 3).to(torch.float32, memory_format=torch.contiguous_format)
+        qf = qf.view(kvh, g * rows, d)
         scores = torch.baddbmm(p.gemm_bias, qf, keys.transpose(1, 2), alpha=self.scale)
         # Every row sees at least key 0, so its max is finite and exp() of it is 1.
         weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
-        out = torch.bmm(weights, values).div_(weights.sum(-1, keepdim=True))  # [KVH, G * rows, D]
-        return out.view(kvh, g, rows, d).permute(2, 0, 1, 3).reshape(rows, self.num_heads, d)
+        o = torch.bmm(weights, values).div_(weights.sum(-1, keepdim=True))  # [KVH, G * rows, D]
+        out.view(rows, kvh, g, d).copy_(o.view(kvh, g, rows, d).permute(2, 0, 1, 3))  # unfolded, rounded once
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
                 layout: BatchLayout, prepared: _TorchStep) -> torch.Tensor:
@@ -287,8 +290,8 @@ class TorchAttentionBackend(AttentionBackend):
                 before, matmul.fp32_precision = matmul.fp32_precision, "bf16"
                 try:
                     for p in s.pieces:
-                        out[p.q0 : p.q1] = self._gemm_piece(q[p.q0 : p.q1], keys[:, : p.num_keys],
-                                                            values[:, : p.num_keys], p)
+                        self._gemm_piece(q[p.q0 : p.q1], keys[:, : p.num_keys], values[:, : p.num_keys], p,
+                                         out[p.q0 : p.q1])
                 finally:
                     matmul.fp32_precision = before
                 continue

@@ -475,7 +475,7 @@ def test_bf16_prefill_as_gemms_within_bf16_rounding_and_no_worse_than_sdpa(piece
     if max_keys is not None:
         monkeypatch.setattr(tb, "PREFILL_GEMM_MAX_KEYS", max_keys)
     chunks = LONG_CHUNKS + CHUNKS[:2]
-    layout, cache32, q, k, v, fk, fv = build_case(chunks, 16, num_blocks=128, seed=11)
+    layout, _, q, k, v, fk, fv = build_case(chunks, 16, num_blocks=128, seed=11)
     _, cache16, q16, k16, v16, _, _ = build_case(chunks, 16, num_blocks=128, dtype=torch.bfloat16, seed=11)
     want = naive_attention(q, fk, fv, layout)
     gemm = TorchAttentionBackend(HEADS, KV_HEADS, DIM, prefill_bf16_gemm=True)
