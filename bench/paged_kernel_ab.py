@@ -25,7 +25,8 @@ import torch
 from benchutil import write_json
 
 from chunkwise.plan import cdiv
-from executor_svc.attention.paged_decode import _load, decode_slots
+from executor_svc.attention.aot_package import load
+from executor_svc.attention.paged_decode import decode_slots
 
 NUM_BLOCKS, BLOCK_SIZE, LAYERS, ROWS = 2000, 16, 30, 32
 
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
     dtype, heads, kv_heads, dim = geometry(ns.old)
     if geometry(ns.new) != (dtype, heads, kv_heads, dim):
         raise SystemExit("the two packages differ in dtype or head geometry")
-    builds = {"old": _load(ns.old), "new": _load(ns.new)}
+    builds = {"old": load(ns.old), "new": load(ns.new)}
     gen = torch.Generator().manual_seed(0)
     caches = [(torch.randn(NUM_BLOCKS * BLOCK_SIZE, kv_heads, dim, generator=gen).to(dtype),
                torch.randn(NUM_BLOCKS * BLOCK_SIZE, kv_heads, dim, generator=gen).to(dtype)) for _ in range(LAYERS)]

@@ -16,7 +16,8 @@ pits the default (the packed copy alone) against batches of >= 512 rows on a sec
 of the weights (--cpu-plain-weight-min-rows 512); --compare-prefill-pieces likewise pits prefill
 attention in pieces of rows (the default on CPU) against one SDPA call per chunk;
 --compare-prefill-gemm pits bf16 prefill attention as GEMMs (the default where the CPU
-multiplies bf16 natively) against torch's flash SDPA; --compare-block-order runs the workload
+multiplies bf16 natively) against torch's flash SDPA; --compare-prefill-softmax pits that GEMM
+path's compiled softmax (the default) against the eager one; --compare-block-order runs the workload
 under two schedulers that keep their block pools across rounds (a warm server's state: from the
 third round on every allocation evicts), one handing blocks out in ascending order (the
 default) and one in the order its free lists give them (bench/block_order.py). Each run reports
@@ -236,6 +237,9 @@ def main(argv=None) -> int:
     p.add_argument("--compare-prefill-gemm", action="store_true",
                    help="two runners, bf16 prefill attention as GEMMs in oneDNN's bf16 float32 mode (the "
                         "default on CPUs with native bf16) and torch's flash SDPA, in interleaved rounds")
+    p.add_argument("--compare-prefill-softmax", action="store_true",
+                   help="two runners, the bf16 GEMM prefill path with its compiled softmax (the default) and "
+                        "with the eager one, in interleaved rounds")
     p.add_argument("--compare-block-order", action="store_true",
                    help="one runner, two schedulers each keeping its block pool across rounds (so that from the "
                         "third round on every allocation evicts), one handing blocks out ascending (the "
@@ -261,6 +265,8 @@ def main(argv=None) -> int:
                    "plain-for-large": ModelRunner(dataclasses.replace(config, cpu_plain_weight_min_rows=512))}
     if ns.compare_prefill_gemm:
         runners = {"gemm": runners["default"], "sdpa": ModelRunner(config)}
+    if ns.compare_prefill_softmax:
+        runners = {"compiled": runners["default"], "eager": ModelRunner(config)}
     if ns.compare_block_order:  # the same runner under two schedulers; each run has its own cache salt
         runners = {"ascending": runners["default"], "as-freed": runners["default"]}
     for r in {id(r): r for r in runners.values()}.values():
@@ -275,6 +281,12 @@ def main(argv=None) -> int:
                              "(it needs --dtype bfloat16 on a CPU with native bf16)")
         runners["sdpa"].backend.prefill_bf16_gemm = False
         runners["sdpa"].backend.prefill_piece_rows = PREFILL_PIECE_ROWS
+    if ns.compare_prefill_softmax:
+        if runners["compiled"].info.prefill_attention != "bf16-gemm":
+            raise SystemExit("--compare-prefill-softmax: the default runner's prefill is "
+                             f"{runners['compiled'].info.prefill_attention!r}, not 'bf16-gemm' "
+                             "(it needs --dtype bfloat16 on a CPU with native bf16)")
+        runners["eager"].backend.prefill_softmax = None
     first = next(iter(runners.values()))
     requests = random_dataset(ns.num_prompts, input_len=637, output_len=ns.output_len, prefix_len=180,
                               num_prefix_groups=8, vocab_size=first.spec.vocab_size, seed=0)
@@ -301,6 +313,7 @@ def main(argv=None) -> int:
             runs.append(r)
     result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "dtype": str(first.dtype),
               "threads": torch.get_num_threads(), "decode_attention": first.info.decode_attention,
+              "prefill_attention": {n: r.backend.prefill_path for n, r in runners.items()},
               "cpu_keep_freed_memory": not ns.no_cpu_keep_freed_memory,
               "plain_weight_layers": {n: [r.model.plain_layers, r.model.plain_bytes >> 20] for n, r in runners.items()},
               "runs": runs}
@@ -308,7 +321,8 @@ def main(argv=None) -> int:
                                  (ns.compare_plain_weights, "packed-only", "plain-for-large", "packed_only_over_plain_for_large"),
                                  (ns.compare_prefill_pieces, "one-call", "pieces", "one_call_over_pieces"),
                                  (ns.compare_block_order, "as-freed", "ascending", "as_freed_over_ascending"),
-                                 (ns.compare_prefill_gemm, "sdpa", "gemm", "sdpa_over_gemm")):
+                                 (ns.compare_prefill_gemm, "sdpa", "gemm", "sdpa_over_gemm"),
+                                 (ns.compare_prefill_softmax, "eager", "compiled", "eager_over_compiled")):
         if flag:
             paired(result, runs, base, new, key, ns.repeats, kinds=() if ns.decode else ("mixed", "decode-only"))
     write_json(ns.json, result)

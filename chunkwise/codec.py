@@ -36,6 +36,7 @@ def model_info_to_proto(info) -> pb.ModelInfo:
         attention_backend=info.attention_backend,
         num_parameters=info.num_parameters,
         decode_attention=info.decode_attention,
+        prefill_attention=info.prefill_attention,
     )
 
 
@@ -55,6 +56,7 @@ def executor_info_from_proto(resp: pb.InitializeResponse) -> ExecutorInfo:
         device=m.device,
         attention_backend=m.attention_backend,
         decode_attention=m.decode_attention,
+        prefill_attention=m.prefill_attention,
     )
 
 

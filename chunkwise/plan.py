@@ -162,3 +162,4 @@ class ExecutorInfo:
     device: str
     attention_backend: str
     decode_attention: str = ""
+    prefill_attention: str = ""

@@ -45,6 +45,7 @@ from . import cpu_malloc
 from .attention import (AttentionBackend, BatchLayout, FlexAttentionBackend, StepAttention, TorchAttentionBackend,
                         select_backend)
 from .attention.paged_decode import PagedDecodeKernel
+from .attention.prefill_softmax import PrefillSoftmaxKernel
 from .config import ExecutorConfig, cpu_bf16_flags
 from .kv_cache import KVCache, KVCacheShape, plan_num_blocks
 from .loader import load_model, read_spec
@@ -83,6 +84,7 @@ class ModelInfo:
     attention_backend: str  # "torch" | "flashinfer" | "flash-attn" (provisional until initialize())
     num_parameters: int
     decode_attention: str = ""  # torch backend: "paged-inductor" | "sdpa-folded"; else the backend's name
+    prefill_attention: str = ""  # torch backend: "bf16-gemm" | "bf16-gemm-eager-softmax" | "sdpa"; else its name
     num_layers: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
@@ -204,6 +206,13 @@ class ModelRunner:
             self.decode_kernel = PagedDecodeKernel(self.num_heads, self.num_kv_heads, self.spec.head_dim,
                                                    self.dtype, self.device, config.enforce_eager)
             logger.info("decode attention: %s", self.decode_kernel.reason)
+        # bf16 prefill as GEMMs where the CPU multiplies bf16 natively (see torch_backend.py),
+        # with the softmax between them compiled, built here for the same reason.
+        self.prefill_bf16_gemm = self.device.type == "cpu" and self.dtype == torch.bfloat16 and bool(cpu_bf16_flags())
+        self.prefill_softmax: PrefillSoftmaxKernel | None = None
+        if backend_cls is TorchAttentionBackend and self.prefill_bf16_gemm:
+            self.prefill_softmax = PrefillSoftmaxKernel(self.device, config.enforce_eager)
+            logger.info("prefill attention: %s", self.prefill_softmax.reason)
         if self.device.type == "cpu" and config.cpu_keep_freed_memory:
             # Last: what loading, packing and the kernel's build freed goes back to the kernel first.
             logger.info("memory: %s", cpu_malloc.keep_freed_memory())
@@ -298,13 +307,12 @@ class ModelRunner:
             broadcast(("initialize", block_size, num_blocks))
         self.kv_cache = KVCache(shape, num_blocks, block_size, self.device)
         if backend_cls is TorchAttentionBackend:
-            # bf16 prefill as GEMMs where the CPU multiplies bf16 natively (see torch_backend.py).
-            bf16_gemm = self.device.type == "cpu" and self.dtype == torch.bfloat16 and bool(cpu_bf16_flags())
             torch_backend = TorchAttentionBackend(self.num_heads, self.num_kv_heads, self.spec.head_dim,
-                                                  decode_kernel=self.decode_kernel, prefill_bf16_gemm=bf16_gemm)
+                                                  decode_kernel=self.decode_kernel,
+                                                  prefill_bf16_gemm=self.prefill_bf16_gemm,
+                                                  prefill_softmax=self.prefill_softmax)
             backend: AttentionBackend = torch_backend
-            decode = torch_backend.decode_path
-            reason = f"{reason}; prefill: {torch_backend.prefill_path}"
+            decode, prefill = torch_backend.decode_path, torch_backend.prefill_path
         elif backend_cls is FlexAttentionBackend:  # --enforce-eager: FlexAttention's dense eager reference
             backend = FlexAttentionBackend(self.num_heads, self.num_kv_heads, self.spec.head_dim,
                                            compile=not self.config.enforce_eager)
@@ -314,15 +322,17 @@ class ModelRunner:
                     self.kv_cache = None
                     raise ValueError(f"--attention-backend flex cannot be used: {why}; use --attention-backend "
                                      "torch (the CPU default) or another --block-size")
-            decode = backend_cls.name
+            decode = prefill = backend_cls.name
         else:
             backend = backend_cls(self.num_heads, self.num_kv_heads, self.spec.head_dim)
-            decode = backend_cls.name
+            decode = prefill = backend_cls.name
         self.backend = backend
         self.block_size = block_size
-        self._info = replace(self._info, attention_backend=backend_cls.name, decode_attention=decode)
-        logger.info("attention backend %s (%s), decode rows: %s; KV cache %d blocks x %d tokens, %.1f MiB",
-                    backend_cls.name, reason, decode, num_blocks, block_size, self.kv_cache.nbytes / 2**20)
+        self._info = replace(self._info, attention_backend=backend_cls.name, decode_attention=decode,
+                             prefill_attention=prefill)
+        logger.info("attention backend %s (%s), decode rows: %s, prefill: %s; KV cache %d blocks x %d tokens, "
+                    "%.1f MiB", backend_cls.name, reason, decode, prefill, num_blocks, block_size,
+                    self.kv_cache.nbytes / 2**20)
         return num_blocks
 
     def reset(self) -> None:

@@ -205,6 +205,7 @@ def stats_to_proto(engine: Engine) -> gpb.Stats:
         executor_epoch=engine.info.epoch,
         attention_backend=engine.info.attention_backend,
         decode_attention=engine.info.decode_attention,
+        prefill_attention=engine.info.prefill_attention,
         dtype=engine.info.dtype,
         executor_restarts=engine.executor_restarts,
     )

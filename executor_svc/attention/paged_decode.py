@@ -18,10 +18,9 @@ value is read once, straight from its block, and never materialised.
   against, and readable.
 - `PagedDecodeKernel`: compiles it ahead of time (AOTInductor) with dynamic batch, context and
   cache sizes into a package in the chunkwise cache, built once per machine and head geometry
-  and loaded in milliseconds by every later start (a build deletes packages unused for
-  PACKAGE_MAX_IDLE_DAYS); checks it on a warm-up batch, and says why
-  when it cannot run (no C++ compiler, --enforce-eager): the caller then uses the folded-query
-  SDPA path instead.
+  and loaded in milliseconds by every later start (aot_package.py); checks it on a warm-up batch,
+  and says why when it cannot run (no C++ compiler, --enforce-eager): the caller then uses the
+  folded-query SDPA path instead.
 
 Softmax runs in float32 whatever the cache dtype; padded keys are masked to -inf and their
 values to zero, so stale data in a slot the request does not own (even NaN) cannot leak in.
@@ -29,24 +28,19 @@ values to zero, so stale data in a slot the request does not own (even NaN) cann
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-import json
 import logging
 import os
-import platform
-import shutil
-import sys
-import tempfile
 import time
 import zipfile
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from chunkwise.plan import cdiv
+
+from . import aot_package
 
 logger = logging.getLogger("chunkwise.executor.attention")
 
@@ -70,10 +64,8 @@ VALUE_PIECE = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 # Part of the package's cache key: bump it when what is exported changes in a way the key's
 # other parts (the functions' source, the options, torch) do not show.
 PACKAGE_FORMAT = 2
-# Packages nobody has loaded for this long are deleted when a new one is built: every change of
-# torch, of the kernel's source or of the CPU leaves one behind (~1.5 MB each). Age rather than
-# "every other name", so two chunkwise versions sharing a cache do not delete each other's.
-PACKAGE_MAX_IDLE_DAYS = 30
+# The packages' name prefix (and what pruning deletes: aot_package.prune_idle_packages).
+PACKAGE_KIND = "paged_decode"
 
 
 # A kernel call pads its rows to its longest context and computes every padded key (masked), so
@@ -157,38 +149,11 @@ def paged_decode_reference(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.
     return out.reshape(b, h, d).to(q.dtype)
 
 
-def use_chunkwise_inductor_cache() -> None:
-    """Point inductor's on-disk cache under the chunkwise cache root (not /tmp) unless
-    $TORCHINDUCTOR_CACHE_DIR is set, so that a rebuild and other compiled code reuse it.
-
-    Call it before anything imports torch._inductor: that import sets the variable to inductor's
-    default (/tmp/torchinductor_<user>) when it is unset, and from then on this cannot tell
-    torch's value from the user's, so it leaves the variable alone."""
-    from chunkwise.model_source import cache_root
-
-    if "torch._inductor" not in sys.modules:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
-
-
-def compiler_unavailable_reason(device: torch.device) -> str | None:
-    """None if inductor can build CPU kernels here, else why not."""
-    if device.type != "cpu":
-        return f"the compiled paged decode kernel is built for CPU only (device {device})"
-    cxx = os.environ.get("CXX", "g++")
-    if shutil.which(cxx) is None and shutil.which("c++") is None and shutil.which("clang++") is None:
-        return f"no C++ compiler found ({cxx}, c++ or clang++ on PATH), which inductor needs"
-    return None
-
-
 class PagedDecodeKernel:
     """`paged_decode_reference`, compiled ahead of time by AOTInductor for every batch size,
     context length and cache size, and kept as a package in the chunkwise cache. Construct with
     the model's head geometry; `ready` tells whether it may be used (else `reason` says why not),
-    after a warm-up run checked against the reference.
-
-    Why ahead of time: a `torch.compile` kernel costs every executor start ~4 s even with a warm
-    inductor cache (importing dynamo and inductor, tracing, guards); a package loads in
-    milliseconds through torch's C++ loader, without importing either (bench/RESULTS.md)."""
+    after a warm-up run checked against the reference. Why ahead of time: aot_package.py."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, enforce_eager: bool, cache_dir: str | os.PathLike[str] | None = None):
@@ -198,7 +163,7 @@ class PagedDecodeKernel:
         if enforce_eager:
             self.reason = "--enforce-eager: using folded-query SDPA over gathered blocks"
             return
-        why = compiler_unavailable_reason(device)
+        why = aot_package.compiler_unavailable_reason(device)
         if why is not None:
             self.reason = f"{why}: using folded-query SDPA over gathered blocks"
             return
@@ -206,7 +171,10 @@ class PagedDecodeKernel:
         t0 = time.perf_counter()
         try:
             self.package = package_path(num_heads, num_kv_heads, head_dim, dtype, cache_dir)
-            self._runner, how = _load_or_build(self.package, num_heads, num_kv_heads, head_dim, dtype)
+            # `_build` looked up at the call, so that tests can stand in for the compiler.
+            self._runner, how = aot_package.load_or_build(
+                self.package, lambda path: _build(path, num_heads, num_kv_heads, head_dim, dtype),
+                "paged decode kernel", PACKAGE_KIND)
             self._warm_up(num_heads, num_kv_heads, head_dim, dtype, device)
         except Exception as e:  # a broken toolchain shows up here as any kind of error
             self.reason = f"the paged decode kernel could not be built ({type(e).__name__}: {str(e)[:200]}): " \
@@ -261,32 +229,15 @@ class PagedDecodeKernel:
 
 def package_path(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Where the package for this geometry lives. The name hashes everything the compiled code
-    depends on: the kernel's source, the compile options, torch, and the CPU (inductor compiles
-    with -march=native: a cache shared with another kind of CPU must not hand it instructions
-    it lacks)."""
-    from chunkwise.model_source import cache_root
-
-    key = json.dumps({
+    """Where the package for this geometry lives (its name hashes the kernel's source and
+    options, torch and the CPU: aot_package.package_path)."""
+    key = {
         "format": PACKAGE_FORMAT, "source": inspect.getsource(paged_decode_reference),
         "export": inspect.getsource(_ExportedKernel), "options": COMPILE_OPTIONS, "value_piece": VALUE_PIECE,
-        "torch": torch.__version__,
-        "isa": torch.backends.cpu.get_cpu_capability(), "cpu": _cpu_signature(),
         "geometry": [num_heads, num_kv_heads, head_dim, str(dtype)],
-    }, sort_keys=True)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
-    name = f"paged_decode_{str(dtype).removeprefix('torch.')}_{num_heads}x{num_kv_heads}x{head_dim}_{digest}.pt2"
-    return cache_root(cache_dir) / "kernels" / name
-
-
-def _cpu_signature() -> str:
-    """The CPU's model and instruction-set flags (Linux), else what the platform module knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.split(":")[0].strip() in ("model name", "flags", "Features")]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}"
+    }
+    prefix = f"{PACKAGE_KIND}_{str(dtype).removeprefix('torch.')}_{num_heads}x{num_kv_heads}x{head_dim}"
+    return aot_package.package_path(prefix, key, cache_dir)
 
 
 class _ExportedKernel(torch.nn.Module):
@@ -298,35 +249,9 @@ class _ExportedKernel(torch.nn.Module):
         return paged_decode_reference(q, k_flat, v_flat, slots, lens, scale)
 
 
-def _load(path: Path) -> Any:
-    # torch's own loader for AOTInductor packages: what torch._inductor.aoti_load_package
-    # wraps, minus the pytree handling of inputs and outputs (plain lists here) and minus the
-    # import of inductor and dynamo it drags in (1.7 s). Arguments: model name in the package,
-    # not single-threaded, one runner, device index -1 (CPU).
-    #
-    # The loader unpacks the package into $TMPDIR/aotinductor_XXXXXX and deletes that only in
-    # its destructor, which an executor that is killed, or exits without collecting it, never
-    # runs: 1.6 MB left in /tmp per executor start (247 of them on the test machine). Once
-    # loaded, the shared library is mapped and the files are not read again, so the package is
-    # unpacked into a directory of ours, deleted right after. TMPDIR is process-wide: this runs
-    # at start-up, before the server takes calls, and Python's tempfile has read it already.
-    with tempfile.TemporaryDirectory(prefix="chunkwise-kernel-") as unpack_dir:
-        before = os.environ.get("TMPDIR")
-        os.environ["TMPDIR"] = unpack_dir
-        try:
-            return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-        finally:
-            if before is None:
-                del os.environ["TMPDIR"]
-            else:
-                os.environ["TMPDIR"] = before
-
-
 def _build(path: Path, h: int, kvh: int, d: int, dtype: torch.dtype) -> None:
     """Export the reference with dynamic batch, key count and cache size, compile it with
-    AOTInductor and write the package to `path` (atomically: a reader never sees half a file)."""
-    use_chunkwise_inductor_cache()  # before the imports below, which import torch._inductor
-    import torch._inductor
+    AOTInductor and write the package to `path`."""
     from torch.export import Dim, export
 
     rows, keys, slots_n = Dim("rows", min=MIN_PADDED), Dim("keys", min=MIN_PADDED), Dim("slots", min=MIN_PADDED)
@@ -337,70 +262,4 @@ def _build(path: Path, h: int, kvh: int, d: int, dtype: torch.dtype) -> None:
                torch.full((b,), length), torch.tensor(d**-0.5))
     dynamic = ({0: rows}, {0: slots_n}, {0: slots_n}, {0: rows, 1: keys}, {0: rows}, None)
     program = export(_ExportedKernel(), example, dynamic_shapes=dynamic)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
-    try:
-        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
-                                                # a copy: it adds its own settings to the dict
-                                                inductor_configs=dict(COMPILE_OPTIONS))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _load_existing(path: Path) -> Any | None:
-    """The package at `path` loaded, or None if there is none or it does not load (damaged, or
-    written by an incompatible torch: the caller builds it again, and the rename replaces it)."""
-    if not path.exists():
-        return None
-    try:
-        return _load(path)
-    except Exception as e:
-        logger.warning("paged decode package %s does not load (%s); building it again", path, e)
-        return None
-
-
-def _load_or_build(path: Path, h: int, kvh: int, d: int, dtype: torch.dtype) -> tuple[Any, str]:
-    """The loaded package at `path`, building it first if there is none (or it will not load).
-    One process builds at a time; the others wait on the lock, then load what it wrote."""
-    from chunkwise.model_source import exclusive_lock
-
-    runner = _load_existing(path)
-    if runner is not None:
-        _mark_used(path)
-        return runner, "loaded"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with exclusive_lock(path.with_suffix(".lock"), "building the paged decode kernel"):
-        runner = _load_existing(path)  # another process may have built it while this one waited
-        if runner is not None:
-            return runner, "loaded"
-        logger.info("building the paged decode kernel for %s (once per machine and model geometry)", path.name)
-        _build(path, h, kvh, d, dtype)
-        prune_idle_packages(path.parent, keep=path)
-        return _load(path), "built"
-
-
-def _mark_used(path: Path) -> None:
-    """A package's modification time says when it was last loaded (what pruning goes by)."""
-    try:
-        os.utime(path)
-    except OSError:  # a read-only cache still serves
-        pass
-
-
-def prune_idle_packages(directory: Path, keep: Path, max_idle_days: float = PACKAGE_MAX_IDLE_DAYS) -> list[Path]:
-    """Delete the paged decode packages in `directory`, other than `keep`, not loaded for
-    `max_idle_days`; returns what was deleted. Their lock files (empty) stay: a process may hold one."""
-    cutoff = time.time() - max_idle_days * 86400
-    pruned = []
-    for old in directory.glob("paged_decode_*.pt2"):
-        try:
-            if old != keep and old.stat().st_mtime < cutoff:
-                old.unlink()
-                pruned.append(old)
-        except OSError:  # gone already, or not ours to delete
-            continue
-    if pruned:
-        logger.info("deleted %d paged decode package(s) unused for %g days: %s", len(pruned), max_idle_days,
-                    ", ".join(p.name for p in pruned))
-    return pruned
+    aot_package.compile_to_package(program, path, COMPILE_OPTIONS)

@@ -6,7 +6,7 @@ offset by the number of positions before the chunk. On CPU a long chunk's query 
 pieces, each against only the keys up to its own last position (see PREFILL_PIECE_ROWS). With
 `prefill_bf16_gemm` (bf16 on a CPU with native bf16 matmuls) each piece is instead two oneDNN
 GEMMs that take bf16 inputs and give float32 results, with the softmax between them in float32
-(see PREFILL_GEMM_PIECE_ROWS).
+(see PREFILL_GEMM_PIECE_ROWS), compiled where a PrefillSoftmaxKernel is ready (prefill_softmax.py).
 
 Single-query rows (decodes, and a fully cached prompt's last token) take one of two paths:
 - with a ready PagedDecodeKernel (CPU, inductor): a call per group of rows of similar context
@@ -32,6 +32,7 @@ from chunkwise.plan import cdiv
 from ..kv_cache import write_kv
 from .base import AttentionBackend, BatchLayout
 from .paged_decode import PagedDecodeKernel, decode_slots, group_by_length
+from .prefill_softmax import PrefillSoftmaxKernel, prefill_softmax_reference
 
 # Upper bound on keys gathered (padded) by one batched decode call: groups x max context.
 DECODE_GROUP_MAX_KEYS = 1 << 16
@@ -131,19 +132,24 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
                  decode_kernel: PagedDecodeKernel | None = None, prefill_piece_rows: int | None = PREFILL_PIECE_ROWS,
-                 prefill_bf16_gemm: bool = False):
+                 prefill_bf16_gemm: bool = False, prefill_softmax: PrefillSoftmaxKernel | None = None):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.decode_kernel = decode_kernel if decode_kernel is not None and decode_kernel.ready else None
         # bf16 prefill pieces as two GEMMs (see PREFILL_GEMM_PIECE_ROWS): for CPUs with native
         # bf16 matmuls; chunks of other dtypes take SDPA whatever this says.
         self.prefill_bf16_gemm = prefill_bf16_gemm
+        # The GEMM path's softmax compiled (else eager, the same numbers up to exp's last bit).
+        self.prefill_softmax = prefill_softmax if prefill_softmax is not None and prefill_softmax.ready else None
         # None: one call per chunk (what CUDA always gets: its kernels skip masked tiles themselves).
         self.prefill_piece_rows = PREFILL_GEMM_PIECE_ROWS if prefill_bf16_gemm else prefill_piece_rows
 
     @property
     def prefill_path(self) -> str:
-        """How prefill chunks attend: 'bf16-gemm' (bf16 chunks; others take SDPA) or 'sdpa'."""
-        return "bf16-gemm" if self.prefill_bf16_gemm else "sdpa"
+        """How prefill chunks attend: 'bf16-gemm' (bf16 chunks, the softmax compiled; others take
+        SDPA), 'bf16-gemm-eager-softmax' or 'sdpa'."""
+        if not self.prefill_bf16_gemm:
+            return "sdpa"
+        return "bf16-gemm" if self.prefill_softmax is not None else "bf16-gemm-eager-softmax"
 
     @property
     def decode_path(self) -> str:
@@ -260,10 +266,13 @@ class TorchAttentionBackend(AttentionBackend):
         # One copy: converted straight into the folded layout.
         qf = q.view(rows, kvh, g, d).permute(1, 2, 0, 3).to(torch.float32, memory_format=torch.contiguous_format)
         qf = qf.view(kvh, g * rows, d)
-        scores = torch.baddbmm(p.gemm_bias, qf, keys.transpose(1, 2), alpha=self.scale)
-        # Every row sees at least key 0, so its max is finite and exp() of it is 1.
-        weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
-        o = torch.bmm(weights, values).div_(weights.sum(-1, keepdim=True))  # [KVH, G * rows, D]
+        scores = torch.baddbmm(p.gemm_bias, qf, keys.transpose(1, 2), alpha=self.scale)  # [KVH, G * rows, keys]
+        # exp(scores - row max) and the row sums: every row sees at least key 0, so its max is
+        # finite and exp() of it is 1. (A piece has >= 2 rows and keys: the kernel's smallest sizes.)
+        softmax = self.prefill_softmax or prefill_softmax_reference
+        weights, sums = softmax(scores.view(-1, p.num_keys))
+        weights, sums = weights.view(scores.shape), sums.view(kvh, g * rows, 1)
+        o = torch.bmm(weights, values).div_(sums)  # [KVH, G * rows, D]
         out.view(rows, kvh, g, d).copy_(o.view(kvh, g, rows, d).permute(2, 0, 1, 3))  # unfolded, rounded once
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,

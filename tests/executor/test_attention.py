@@ -30,6 +30,7 @@ from executor_svc.attention.paged_decode import (
     package_path,
     paged_decode_reference,
 )
+from executor_svc.attention.prefill_softmax import PrefillSoftmaxKernel, prefill_softmax_reference
 from executor_svc.kv_cache import KVCache, KVCacheShape
 
 # DIM spans several of the decode kernel's value pieces on AVX2 (8 floats) and AVX-512 (16) alike.
@@ -110,6 +111,17 @@ def paged_kernel(dtype=torch.float32) -> PagedDecodeKernel:
     kernel = _KERNELS[dtype]
     assert kernel.ready, kernel.reason
     return kernel
+
+
+_SOFTMAX: list[PrefillSoftmaxKernel] = []
+
+
+def softmax_kernel() -> PrefillSoftmaxKernel:
+    """The compiled prefill softmax, one for the whole test session."""
+    if not _SOFTMAX:
+        _SOFTMAX.append(PrefillSoftmaxKernel(torch.device("cpu"), enforce_eager=False))
+    assert _SOFTMAX[0].ready, _SOFTMAX[0].reason
+    return _SOFTMAX[0]
 
 
 def torch_backend(decode_path: str, dtype=torch.float32) -> TorchAttentionBackend:
@@ -465,8 +477,10 @@ def test_flash_attn_runner_matches_transformers(tiny_checkpoint):
     assert (logits["a"] - ref[200:]).abs().max() < 0.25
 
 
+@pytest.mark.parametrize("softmax", ["compiled", "eager"])
 @pytest.mark.parametrize("piece_rows, max_keys", [(None, None), (5, None), (5, 30)])
-def test_bf16_prefill_as_gemms_within_bf16_rounding_and_no_worse_than_sdpa(piece_rows, max_keys, monkeypatch):
+def test_bf16_prefill_as_gemms_within_bf16_rounding_and_no_worse_than_sdpa(piece_rows, max_keys, softmax,
+                                                                             monkeypatch):
     # The bf16 GEMM path (oneDNN's bf16 float32 mode: bf16 inputs, float32 sums and results)
     # against the float32 reference: as close as SDPA's bf16 kernel is, within a few bf16 ulps.
     # With max_keys 30 the 35-key chunk takes SDPA instead, the others the GEMMs.
@@ -478,8 +492,13 @@ def test_bf16_prefill_as_gemms_within_bf16_rounding_and_no_worse_than_sdpa(piece
     layout, _, q, k, v, fk, fv = build_case(chunks, 16, num_blocks=128, seed=11)
     _, cache16, q16, k16, v16, _, _ = build_case(chunks, 16, num_blocks=128, dtype=torch.bfloat16, seed=11)
     want = naive_attention(q, fk, fv, layout)
-    gemm = TorchAttentionBackend(HEADS, KV_HEADS, DIM, prefill_bf16_gemm=True)
-    assert gemm.prefill_path == "bf16-gemm"
+    softmax_calls: list[torch.Size] = []
+    kernel = None
+    if softmax == "compiled":  # the kernel, counting its calls
+        kernel = softmax_kernel()
+        monkeypatch.setattr(kernel, "_runner", _CountingRunner(kernel._runner, softmax_calls))
+    gemm = TorchAttentionBackend(HEADS, KV_HEADS, DIM, prefill_bf16_gemm=True, prefill_softmax=kernel)
+    assert gemm.prefill_path == ("bf16-gemm" if softmax == "compiled" else "bf16-gemm-eager-softmax")
     gemm.prefill_piece_rows = piece_rows
     sdpa = TorchAttentionBackend(HEADS, KV_HEADS, DIM, prefill_piece_rows=piece_rows)
     prefill_rows = torch.tensor([n > 1 for n in layout.query_lens]).repeat_interleave(torch.tensor(layout.query_lens))
@@ -496,9 +515,60 @@ def test_bf16_prefill_as_gemms_within_bf16_rounding_and_no_worse_than_sdpa(piece
     # SDPA's prefill calls have q [1, HEADS, rows, D] (decode rows' folded calls [n, KV_HEADS, ...]):
     # none, or only the 19 rows of the 35-key chunk past max_keys.
     assert sum(shape[2] for shape in calls if shape[1] == HEADS) == (0 if max_keys is None else 19), calls
+    # Every GEMM piece's softmax went through the compiled kernel: [KV_HEADS x G x rows, keys] each.
+    gemm_rows = sum(n for n in layout.query_lens if n > 1) - (0 if max_keys is None else 19)
+    assert sum(shape[0] for shape in softmax_calls) == (HEADS * gemm_rows if softmax == "compiled" else 0)
     assert 0 < errs["gemm"] <= 2**-9 * 16, errs
     # No worse than SDPA (here 0.0080 vs 0.0104); rounding the weights to bf16 after normalising
     # them, or the GEMM's output before dividing, would make it 0.013.
     assert errs["gemm"] <= errs["sdpa"] + 2**-12, errs
     # The float32 matmul mode is put back: later float32 matmuls are exact again.
     assert torch.backends.mkldnn.matmul.fp32_precision != "bf16"
+
+
+class _CountingRunner:
+    """A package runner that records the shape of each call's first input."""
+
+    def __init__(self, runner, calls: list):
+        self.runner, self.calls = runner, calls
+
+    def run(self, inputs):
+        self.calls.append(inputs[0].shape)
+        return self.runner.run(inputs)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_prefill_softmax_equals_the_reference(threads):
+    # Every shape a piece brings, from the smallest (2 x 2) up, with the causal mask's -inf keys
+    # (a row may see a single key), on one thread and two (the loops run in parallel).
+    kernel = softmax_kernel()
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(3)
+    try:
+        with torch.inference_mode():
+            for rows, keys in ((2, 2), (3, 17), (864, 512), (57, 1000), (9, 4096)):
+                scores = torch.randn(rows, keys, generator=g) * 6
+                visible = torch.randint(1, keys + 1, (rows, 1), generator=g)
+                scores.masked_fill_(torch.arange(keys)[None, :] >= visible, float("-inf"))
+                (weights, sums), (want_w, want_s) = kernel(scores), prefill_softmax_reference(scores)
+                assert weights.shape == scores.shape and sums.shape == (rows, 1)
+                # The same math; only exp's last bit and the order of the sum's terms may differ.
+                torch.testing.assert_close(weights, want_w, atol=2e-7, rtol=1e-6)
+                torch.testing.assert_close(sums, want_s, atol=0, rtol=1e-6)
+                assert torch.equal(weights == 0, scores == float("-inf"))
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def test_the_prefill_softmax_package_is_built_once_then_loaded_and_off_under_enforce_eager():
+    first = softmax_kernel()
+    again = PrefillSoftmaxKernel(torch.device("cpu"), enforce_eager=False)
+    assert again.ready and "loaded in" in again.reason and again.package == first.package
+    assert again.package is not None and again.package.name.startswith("prefill_softmax_")
+    eager = PrefillSoftmaxKernel(torch.device("cpu"), enforce_eager=True)
+    assert not eager.ready and "--enforce-eager" in eager.reason
+    # A kernel that is not ready is not used: the backend says so.
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, DIM, prefill_bf16_gemm=True, prefill_softmax=eager)
+    assert backend.prefill_softmax is None and backend.prefill_path == "bf16-gemm-eager-softmax"
+    assert TorchAttentionBackend(HEADS, KV_HEADS, DIM, prefill_softmax=first).prefill_path == "sdpa"

@@ -38,6 +38,7 @@ def setup(request, tiny_llama_path, tiny_qwen2_path):
     def runner(**kwargs):
         r = make_runner(path, enforce_eager=eager, **kwargs)
         assert r.info.decode_attention == ("sdpa-folded" if eager else "paged-inductor")
+        assert r.info.prefill_attention == "sdpa"  # float32
         return r
 
     return runner, reference

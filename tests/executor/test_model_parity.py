@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from chunkwise.plan import GREEDY, NewRequestData, ScheduledChunk, StepPlan
+from executor_svc.config import cpu_bf16_flags
 from executor_svc.loader import load_model, read_spec
 from executor_svc.models import packed_linear
 from executor_svc.models.llama import Linear
@@ -299,9 +300,18 @@ def test_bfloat16_runs_close_to_float32(tiny_llama_path):
     runner = make_runner(tiny_llama_path, block_size=16, num_kv_blocks=8, dtype="bfloat16")
     assert runner.info.dtype == "bfloat16"
     assert runner.kv_cache.layers[0].dtype == torch.bfloat16
+    # Prefill as GEMMs with the compiled softmax where the CPU multiplies bf16 natively.
+    native = bool(cpu_bf16_flags())
+    assert runner.info.prefill_attention == ("bf16-gemm" if native else "sdpa")
     plan = StepPlan(1, new_requests=[NewRequestData("r", tokens, [3, 1, 4, 0], GREEDY)],
                     chunks=[ScheduledChunk("r", 0, 60, 0, True)])
     _, logits = runner.execute_with_logits(plan)
     ref = hf_logits(load_reference(tiny_llama_path), tokens)
     assert logits["r"].dtype == torch.float32
     assert (logits["r"] - ref).abs().max() < 0.25  # bf16 has ~3 significant digits
+    # --enforce-eager: the same GEMMs with torch's eager softmax; the two differ in exp's last
+    # bit at most, far below bf16's rounding.
+    eager = make_runner(tiny_llama_path, block_size=16, num_kv_blocks=8, dtype="bfloat16", enforce_eager=True)
+    assert eager.info.prefill_attention == ("bf16-gemm-eager-softmax" if native else "sdpa")
+    _, eager_logits = eager.execute_with_logits(plan)
+    assert (eager_logits["r"] - logits["r"]).abs().max() < 0.05
