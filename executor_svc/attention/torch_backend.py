@@ -337,10 +337,7 @@ class TorchAttentionBackend(AttentionBackend):
         kt = key_tiles(k_cache)  # [num_tiles, KVH, D, tile]
         if transposed:  # tiles side by side along the keys: [KVH, D, tiles, tile]
             return kt.permute(1, 2, 0, 3).index_select(2, tiles).flatten(2)[:, :, :context_len]
-        # Token-major [KVH, ctx, D]: whole tiles gathered first, then transposed in one copy
-        # (an index_select along the permuted tile dimension instead reads element by element:
-        # 50x slower on a 637-key context).
-        return kt.index_select(0, tiles).permute(1, 0, 3, 2).reshape(kt.shape[1], -1, kt.shape[2])[:, :context_len]
+        return kt.permute(1, 0, 3, 2).index_select(1, tiles).flatten(1, 2)[:, :context_len]  # [KVH, ctx, D]
 
     def _decode(self, q: torch.Tensor, layer_cache: torch.Tensor, layout: BatchLayout, prepared: _TorchStep,
                 out: torch.Tensor) -> None:
