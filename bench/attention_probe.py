@@ -84,7 +84,7 @@ def chunkwise_round(dtype_name: str, repeats: int, kernels: dict) -> dict[str, d
     from executor_svc.attention import BatchLayout, StepAttention, TorchAttentionBackend
     from executor_svc.attention.paged_decode import PagedDecodeKernel
     from executor_svc.config import cpu_bf16_flags
-    from executor_svc.kv_cache import KVCache, KVCacheShape, write_kv
+    from executor_svc.kv_cache import KVCache, KVCacheShape
 
     dtype = getattr(torch, dtype_name)
     if dtype not in kernels:
@@ -94,12 +94,17 @@ def chunkwise_round(dtype_name: str, repeats: int, kernels: dict) -> dict[str, d
     # native bf16 (executor_svc/attention/torch_backend.py); the eager column keeps SDPA.
     bf16_gemm = dtype == torch.bfloat16 and bool(cpu_bf16_flags())
     backends = {"paged-inductor": TorchAttentionBackend(H, KVH, D, decode_kernel=kernels[dtype],
-                                                        prefill_bf16_gemm=bf16_gemm, block_size=BS),
+                                                        prefill_bf16_gemm=bf16_gemm),
                 "sdpa-folded": TorchAttentionBackend(H, KVH, D)}
-    assert backends["paged-inductor"].decode_path == "paged-inductor"
     out: dict[str, dict[str, float]] = {}
     for name, (qlens, ctxs) in cases().items():
         k_pools, v_pools, q, table = make_inputs(qlens, ctxs, dtype)
+        cache = KVCache(KVCacheShape(LAYERS, KVH, D, dtype), POOL_BLOCKS, BS, torch.device("cpu"))
+        for layer in range(LAYERS):
+            k_flat, v_flat = cache.flat(layer)
+            k_flat.copy_(k_pools[layer])
+            v_flat.copy_(v_pools[layer])
+        del k_pools, v_pools
         starts = [0]
         for n in qlens:
             starts.append(starts[-1] + n)
@@ -108,23 +113,15 @@ def chunkwise_round(dtype_name: str, repeats: int, kernels: dict) -> dict[str, d
             num_computed=[c - n for c, n in zip(ctxs, qlens)], context_lens=ctxs,
             num_blocks=[-(-c // BS) for c in ctxs], block_table=table,
             slot_mapping=torch.empty(0, dtype=torch.int64), write_rows=torch.empty(0, dtype=torch.int64))
-        empty = q.new_empty(0, KVH, D)  # K/V are written before: time the attention alone
+        empty = q.new_empty(0, KVH, D)  # K/V were written above: time the attention alone
         out[name] = {}
         with torch.inference_mode():
             for path, backend in backends.items():
-                # The same K/V in each backend's own key layout (key tiles for the paged kernel).
-                cache = KVCache(KVCacheShape(LAYERS, KVH, D, dtype), POOL_BLOCKS, BS, torch.device("cpu"))
-                every_slot = torch.arange(POOL_BLOCKS * BS)
-                for layer in range(LAYERS):
-                    write_kv(cache.layers[layer], k_pools[layer], v_pools[layer], every_slot, None, backend.key_tile)
-
-                def run(backend=backend, cache=cache):
+                def run(backend=backend):
                     step = StepAttention(backend, cache, layout)  # prepare: once per step, as in the executor
                     for layer in range(LAYERS):
                         step(layer, q, empty, empty)
                 out[name][path] = time_passes(run, repeats)
-                del cache
-        del k_pools, v_pools
     return out
 
 

@@ -31,7 +31,7 @@ from benchutil import write_json
 
 from chunkwise.plan import SampledToken, SamplingParams, StepResult
 from chunkwise_tools.loadtest.datasets import random_dataset
-from executor_svc.attention.paged_decode import KEY_TILE, PagedDecodeKernel, decode_tiles
+from executor_svc.attention.paged_decode import PagedDecodeKernel, decode_slots
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.scheduler import Scheduler
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         raise SystemExit(kernel.reason)
     gen = torch.Generator().manual_seed(0)
     slots_n = ns.num_blocks * BLOCK_SIZE
-    caches = [(torch.randn(slots_n // KEY_TILE, KV_HEADS, HEAD_DIM, KEY_TILE, generator=gen).to(dtype),  # key tiles
+    caches = [(torch.randn(slots_n, KV_HEADS, HEAD_DIM, generator=gen).to(dtype),
                torch.randn(slots_n, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)) for _ in range(LAYERS)]
     q = torch.randn(32, HEADS, HEAD_DIM, generator=gen).to(dtype)
     scale = HEAD_DIM**-0.5
@@ -109,14 +109,14 @@ def main(argv=None) -> int:
                 block_tables, lens = tables[run]
                 width = max(len(t) for t in block_tables)
                 table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])
-                inputs[name] = decode_tiles(table, lens, BLOCK_SIZE)
+                inputs[name] = decode_slots(table, lens, BLOCK_SIZE)
             ms: dict[str, list[float]] = {name: [] for name in orders}
             for r in range(ns.rounds + 1):
                 for name in (list(orders) if r % 2 == 0 else list(orders)[::-1]):
-                    tiles, lens_t = inputs[name]
+                    slots, lens_t = inputs[name]
                     t0 = time.perf_counter()
                     for k, v in caches:
-                        kernel(q, k, v, tiles, lens_t, scale)
+                        kernel(q, k, v, slots, lens_t, scale)
                     if r:  # round 0 warms up
                         ms[name].append(1000 * (time.perf_counter() - t0))
             ratios = sorted(b / a for a, b in zip(ms["ascending"], ms["as-freed"]))

@@ -6,10 +6,7 @@ paired ratio of their times, and whether their outputs are equal.
 OLD and NEW are package files from the chunkwise cache (`~/.cache/chunkwise/kernels/`, one per
 kernel source, torch, CPU and head geometry; `paged_decode_reference` hashes into the name, so
 the build before a change to it is still there after it). They must share a dtype and head
-geometry. Both take key tiles (`paged_decode.key_tiles`) unless `--old-takes-slots`: then OLD
-is a package from before the key tiles (PACKAGE_FORMAT 2), fed slot ids and token-major keys,
-the same keys as NEW's tiles; its outputs are compared with NEW's to 1e-5 rather than bit for bit
-(the scores are summed in another order). SmolLM2-135M shapes by default, as bench/attention_probe.py: 30 layers each with its
+geometry. SmolLM2-135M shapes by default, as bench/attention_probe.py: 30 layers each with its
 own cache of 2,000 blocks of 16 tokens, block tables scattered over the pool; cases decode 32 x
 700 and 32 rows of 600..800 keys (one call each). Each round times one pass over the 30 layers
 of each build, in alternating order; the ratio old / new is paired within a round.
@@ -29,7 +26,7 @@ from benchutil import write_json
 
 from chunkwise.plan import cdiv
 from executor_svc.attention.aot_package import load
-from executor_svc.attention.paged_decode import KEY_TILE, decode_tiles
+from executor_svc.attention.paged_decode import decode_slots
 
 NUM_BLOCKS, BLOCK_SIZE, LAYERS, ROWS = 2000, 16, 30, 32
 
@@ -47,8 +44,6 @@ def main(argv=None) -> int:
     p.add_argument("old", type=Path)
     p.add_argument("new", type=Path)
     p.add_argument("--rounds", type=int, default=12)
-    p.add_argument("--old-takes-slots", action="store_true",
-                   help="OLD is a package from before the key tiles: slot ids and token-major keys")
     p.add_argument("--json")
     ns = p.parse_args(argv)
     dtype, heads, kv_heads, dim = geometry(ns.old)
@@ -56,36 +51,27 @@ def main(argv=None) -> int:
         raise SystemExit("the two packages differ in dtype or head geometry")
     builds = {"old": load(ns.old), "new": load(ns.new)}
     gen = torch.Generator().manual_seed(0)
-    caches = [(torch.randn(NUM_BLOCKS * BLOCK_SIZE // KEY_TILE, kv_heads, dim, KEY_TILE, generator=gen).to(dtype),
+    caches = [(torch.randn(NUM_BLOCKS * BLOCK_SIZE, kv_heads, dim, generator=gen).to(dtype),
                torch.randn(NUM_BLOCKS * BLOCK_SIZE, kv_heads, dim, generator=gen).to(dtype)) for _ in range(LAYERS)]
-    # The same keys token-major, [slots, KV heads, dim], for an old build that reads them so.
-    token_keys = [k.permute(0, 3, 1, 2).reshape(-1, kv_heads, dim) for k, _ in caches] if ns.old_takes_slots else []
     rng = random.Random(0)
     scale = torch.tensor(dim**-0.5)
     cases = {"decode_32x700": [700] * ROWS, "decode_ragged_600_800": [rng.randint(600, 800) for _ in range(ROWS)]}
     result: dict = {"command": " ".join(["bench/paged_kernel_ab.py", str(ns.old), str(ns.new), "--rounds",
-                                         str(ns.rounds)] + (["--old-takes-slots"] if ns.old_takes_slots else [])),
+                                         str(ns.rounds)]),
                     "old": ns.old.name, "new": ns.new.name, "dtype": str(dtype), "threads": torch.get_num_threads(),
                     "cases": {}}
     for case, lens in cases.items():
         pool = list(range(NUM_BLOCKS))
         rng.shuffle(pool)
         table = torch.tensor([[pool.pop() for _ in range(cdiv(max(lens), BLOCK_SIZE))] for _ in lens])
-        tiles, lens_t = decode_tiles(table, lens, BLOCK_SIZE)
-        pos = torch.arange(max(lens))
-        slots = table[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE  # the old builds' input
+        slots, lens_t = decode_slots(table, lens, BLOCK_SIZE)
         q = torch.randn(ROWS, heads, dim, generator=gen)  # the kernel takes the query in float32
 
         def run(name: str) -> list[torch.Tensor]:
-            if name == "old" and ns.old_takes_slots:
-                return [builds[name].run([q, k, v, slots, lens_t, scale])[0] for k, (_, v) in zip(token_keys, caches)]
-            return [builds[name].run([q, k, v, tiles, lens_t, scale])[0] for k, v in caches]
+            return [builds[name].run([q, k, v, slots, lens_t, scale])[0] for k, v in caches]
 
         with torch.inference_mode():
-            if ns.old_takes_slots:
-                equal = all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(run("old"), run("new")))
-            else:
-                equal = all(torch.equal(a, b) for a, b in zip(run("old"), run("new")))
+            equal = all(torch.equal(a, b) for a, b in zip(run("old"), run("new")))
             ms: dict[str, list[float]] = {"old": [], "new": []}
             for r in range(ns.rounds):
                 for name in ("old", "new") if r % 2 == 0 else ("new", "old"):

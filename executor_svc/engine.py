@@ -310,7 +310,7 @@ class ModelRunner:
             torch_backend = TorchAttentionBackend(self.num_heads, self.num_kv_heads, self.spec.head_dim,
                                                   decode_kernel=self.decode_kernel,
                                                   prefill_bf16_gemm=self.prefill_bf16_gemm,
-                                                  prefill_softmax=self.prefill_softmax, block_size=block_size)
+                                                  prefill_softmax=self.prefill_softmax)
             backend: AttentionBackend = torch_backend
             decode, prefill = torch_backend.decode_path, torch_backend.prefill_path
         elif backend_cls is FlexAttentionBackend:  # --enforce-eager: FlexAttention's dense eager reference

@@ -1,8 +1,6 @@
 """The paged KV cache: one tensor per layer, allocated once per `initialize(block_size)`.
 
-Layout per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`, index 0 keys, 1 values
-(the torch backend with the paged decode kernel stores the keys' memory as key tiles instead:
-see write_kv).
+Layout per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`, index 0 keys, 1 values.
 `layer[0]` and `layer[1]` are each contiguous `[num_blocks, block_size, kv_heads, head_dim]`
 tensors, which is the paged layout flash-attn's `block_table` arguments expect, and the torch
 backend gathers whole blocks from them with one index_select.
@@ -66,21 +64,15 @@ class KVCache:
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-             rows: torch.Tensor | None, key_tile: int | None = None) -> None:
+             rows: torch.Tensor | None) -> None:
     """Store k/v rows into their slots. `rows` selects which batch rows are written (positions at
-    or after each request's kv_write_start); None means all rows, in order. With `key_tile`, the
-    keys are stored as key tiles (`[slots / key_tile, heads, dim, key_tile]`: transposed within
-    every key_tile slots; executor_svc/attention/paged_decode.py), values as always."""
+    or after each request's kv_write_start); None means all rows, in order."""
     if slot_mapping.numel() == 0:
         return
     if rows is not None:
         k, v = k.index_select(0, rows), v.index_select(0, rows)
     _, num_blocks, block_size, heads, dim = layer_cache.shape
-    if key_tile is not None:
-        tiles = layer_cache[0].view(num_blocks * block_size // key_tile, heads, dim, key_tile)
-        tiles.permute(0, 3, 1, 2).index_put_((slot_mapping // key_tile, slot_mapping % key_tile), k)
-    else:
-        layer_cache[0].view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, k)
+    layer_cache[0].view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, k)
     layer_cache[1].view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, v)
 
 

@@ -4,25 +4,14 @@ A decode row (and a fully cached prompt's last query) attends over its whole con
 way, `k_cache[block_table]` and then SDPA, copies every request's context out of the cache in
 every layer: on a CPU that copy alone costs more than the attention math (bench/RESULTS.md).
 
-Here the math is written as reductions over the cache's *key tiles*, compiled by inductor: the
-gathers are fused into the score and output loops, so each key and value is read once, straight
-from its block, and never materialised.
+Here the math is written as reductions over *slot ids*: `slots[b, j]` is the cache slot of
+request b's key j, computed once per step from the block tables and shared by all layers. Compiled
+by inductor, the gather `k_flat[slots]` is fused into the score and output loops, so each key and
+value is read once, straight from its block, and never materialised.
 
-Key tiles. Where this kernel runs, the torch backend keeps each layer's keys transposed in tiles
-of KEY_TILE (16) consecutive slots: `[num_tiles, kv_heads, head_dim, KEY_TILE]`, the same memory
-as the usual `[num_blocks, block_size, kv_heads, head_dim]` (a block of 32 slots is two tiles;
-block sizes that are not a multiple of 16 keep the usual layout and the folded SDPA path).
-Values keep the usual layout. Why: the scores of one query head are dot products over the head
-dimension; with keys token-major, each key's dot product ends in a horizontal sum across a SIMD
-register (9 a key for SmolLM2's heads), which is what the kernel spent its time on. With a tile's
-keys side by side for every element of the head dimension, the compiler vectorises across the 16
-keys of a tile instead: a multiply-add per element, no horizontal sums. 1.3-1.6x faster a call in
-both dtypes (bench/RESULTS.md section 2).
-
-- `decode_tiles`: per row, the tile ids of its context (from its block table) and its key count,
-  padded to a batch of >= 2 rows and >= 2 tiles (the compiler specialises sizes 0 and 1, so
-  padding keeps one compiled kernel for every batch size and context length).
-- `key_tiles`, `token_keys_to_tiles`: the tiled view of a layer's keys, and the layout change.
+- `decode_slots`: slot ids and the key count per row, padded to a batch of >= 2 rows and >= 2
+  keys (the compiler specialises sizes 0 and 1, so padding keeps one compiled kernel for every
+  batch size and context length).
 - `group_by_length`: the rows of a step in groups of similar context length, one kernel call
   each, so that a short row is not padded to the step's longest context.
 - `paged_decode_reference`: the same math, eager: the definition the compiled kernel is tested
@@ -55,28 +44,26 @@ from . import aot_package
 
 logger = logging.getLogger("chunkwise.executor.attention")
 
-# Slots per key tile (see the module's docstring): one AVX-512 vector of float32, two of AVX2.
-KEY_TILE = 16
-# Rows and tiles are padded to at least this many, so that no dynamic size is 0 or 1.
+# Rows and keys are padded to at least this many, so that no dynamic size is 0 or 1.
 MIN_PADDED = 2
 # (rows, keys) of the warm-up calls: a typical decode batch first (also the export's example,
 # whose sizes guide the compiler's loop planning), then the smallest.
 WARM_UP_SHAPES = ((32, 512), (2, 5))
-WARM_UP_TILES = 32
+WARM_UP_SLOTS = 256
 # Inductor decides which loops run in parallel from the example's sizes (the hints) and keeps
 # that decision for every later size. cpp.dynamic_threads keeps at least the outer loop of
 # every loop nest parallel whatever the hints said: without it, after a small warm-up batch the
 # softmax reductions were compiled `omp single`, one core idle for a third of the kernel.
 # assert_indirect_indexing off: the generated loops would bounds-check every slot id they load
 # (a compare and branch in the innermost loop; 10% of the kernel in fp32, bench/RESULTS.md).
-# `PagedDecodeKernel.check_tiles` checks them all once per step instead, before any layer runs.
+# `PagedDecodeKernel.check_slots` checks them all once per step instead, before any layer runs.
 COMPILE_OPTIONS = {"cpp.dynamic_threads": True, "assert_indirect_indexing": False}
 # Floats in one SIMD vector of this CPU, as inductor vectorizes float32 (AVX-512: 16, AVX2: 8).
 # The package is per CPU already (its key has the ISA), so the width can follow the CPU.
 VALUE_PIECE = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
 # Part of the package's cache key: bump it when what is exported changes in a way the key's
 # other parts (the functions' source, the options, torch) do not show.
-PACKAGE_FORMAT = 3
+PACKAGE_FORMAT = 2
 # The packages' name prefix (and what pruning deletes: aot_package.prune_idle_packages).
 PACKAGE_KIND = "paged_decode"
 
@@ -104,79 +91,60 @@ def group_by_length(lens: list[int], fill: float = DECODE_GROUP_FILL,
     return groups
 
 
-def decode_tiles(block_table: torch.Tensor, lens: list[int], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key tile ids [B', T] int64 and key counts [B'] int64 for single-query rows with contexts
-    `lens`, whose block tables are the rows of `block_table` [B, nb]; block_size a multiple of
-    KEY_TILE. B' = max(B, 2), T = max(tiles of the longest context, 2). Padding rows attend to
-    one key of tile 0 (any valid tile will do: their output is discarded); padding tiles are
-    tile 0 too, and masked."""
+def decode_slots(block_table: torch.Tensor, lens: list[int], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot ids [B', L] int64 and key counts [B'] int64 for single-query rows with contexts
+    `lens`, whose block tables are the rows of `block_table` [B, nb]. B' = max(B, 2) and L =
+    max(max(lens), 2). Padding rows attend to one key, slot 0 (any valid index will do: their
+    output is discarded)."""
     device = block_table.device
-    per_block = block_size // KEY_TILE
     b = len(lens)
-    width = max(cdiv(max(lens), KEY_TILE), MIN_PADDED)
-    nb = cdiv(width, per_block)
-    if block_table.shape[1] < nb:  # the padded tile range may need one more (masked) block column
+    width = max(max(lens), MIN_PADDED)
+    nb = cdiv(width, block_size)
+    if block_table.shape[1] < nb:  # the padded key range may need one more (masked) block column
         block_table = torch.nn.functional.pad(block_table, (0, nb - block_table.shape[1]))
-    t = torch.arange(width, device=device)
-    tiles = block_table[:, t // per_block] * per_block + t % per_block
+    pos = torch.arange(width, device=device)
+    slots = block_table[:, pos // block_size] * block_size + pos % block_size
     lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
     if b < MIN_PADDED:
         pad = MIN_PADDED - b
-        tiles = torch.cat([tiles, tiles.new_zeros(pad, width)])
+        slots = torch.cat([slots, slots.new_zeros(pad, width)])
         lens_t = torch.cat([lens_t, lens_t.new_ones(pad)])
-    return tiles, lens_t
+    return slots, lens_t
 
 
-def key_tiles(keys: torch.Tensor) -> torch.Tensor:
-    """A layer's keys, `[num_blocks, block_size, kv_heads, head_dim]` memory holding key tiles,
-    viewed as `[num_tiles, kv_heads, head_dim, KEY_TILE]`."""
-    num_blocks, block_size, kvh, d = keys.shape
-    return keys.view(num_blocks * block_size // KEY_TILE, kvh, d, KEY_TILE)
-
-
-def token_keys_to_tiles(keys: torch.Tensor) -> torch.Tensor:
-    """Token-major keys `[num_slots, kv_heads, head_dim]` (num_slots a multiple of KEY_TILE) as
-    key tiles `[num_slots / KEY_TILE, kv_heads, head_dim, KEY_TILE]` (a copy)."""
-    n, kvh, d = keys.shape
-    return keys.view(n // KEY_TILE, KEY_TILE, kvh, d).permute(0, 2, 3, 1).contiguous()
-
-
-def paged_decode_reference(q: torch.Tensor, k_tiles: torch.Tensor, v_flat: torch.Tensor, tiles: torch.Tensor,
+def paged_decode_reference(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor,
                            lens: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
-    """Attention of one query per row over the first `lens[b]` keys of the tiles `tiles[b]`.
+    """Attention of one query per row over keys `k_flat[slots[b, :lens[b]]]`.
 
-    q [B, H, D]; k_tiles [num_tiles, KVH, D, KEY_TILE] (a layer's keys, see key_tiles); v_flat
-    [num_tiles * KEY_TILE, KVH, D] (its values, slots flattened); tiles [B, T] int64; lens [B]
-    int64. Returns [B, H, D] in q's dtype. The query heads of one KV head are its consecutive
-    H / KVH heads (the GQA convention)."""
+    q [B, H, D]; k_flat, v_flat [num_slots, KVH, D] (a layer's cache, blocks flattened);
+    slots [B, L] int64; lens [B] int64. Returns [B, H, D] in q's dtype. The query heads of one
+    KV head are its consecutive H / KVH heads (the GQA convention)."""
     b, h, d = q.shape
-    kvh, tile = k_tiles.shape[1], k_tiles.shape[3]
-    g = h // kvh
-    nt = tiles.shape[1]
-    # tiles[b, t]'s key j is the row's key t * tile + j; valid below the row's length.
-    pos = torch.arange(nt * tile, device=q.device).view(1, nt, 1, 1, tile)
-    valid = pos < lens.view(b, 1, 1, 1, 1)  # [B, T, 1, 1, tile]
-    # k_tiles[tiles], written as an embedding lookup: the same rows, but compiled, an index into
-    # k_tiles[...] is wrapped if negative at every load (a test and a conditional move in the
+    kvh = k_flat.shape[1]
+    length = slots.shape[1]
+    valid = (torch.arange(length, device=q.device)[None, :] < lens[:, None])[:, :, None, None]  # [B, L, 1, 1]
+    qf = q.float().view(b, 1, kvh, h // kvh, d)
+    # k_flat[slots], written as an embedding lookup: the same rows, but compiled, an index into
+    # k_flat[...] is wrapped if negative at every load (a test and a conditional move in the
     # innermost loops), and an embedding index is not (~7% of the kernel in float32,
-    # bench/RESULTS.md). Tile ids are never negative: check_tiles checks them once per step.
-    keys = F.embedding(tiles, k_tiles.flatten(1)).view(b, nt, kvh, 1, d, tile).float()
-    # One multiply-add per element of the head dimension for a tile's 16 keys side by side.
-    scores = (q.float().view(b, 1, kvh, g, d, 1) * keys).sum(4) * scale  # [B, T, KVH, G, tile]
+    # bench/RESULTS.md). Slot ids are never negative: check_slots checks them once per step.
+    keys = F.embedding(slots, k_flat.flatten(1)).float().view(b, length, kvh, 1, d)
+    scores = (qf * keys).sum(-1) * scale  # [B, L, KVH, G]
     scores = scores.masked_fill(~valid, float("-inf"))
-    weights = torch.exp(scores - scores.amax((1, 4), keepdim=True))
-    denom = weights.sum((1, 4))  # [B, KVH, G]
-    values = F.embedding(tiles, v_flat.view(-1, tile * kvh * d)).view(b, nt, tile, kvh, 1, d).float()
-    values = torch.where(valid.view(b, nt, tile, 1, 1, 1), values, 0.0)
-    weighted = weights.permute(0, 1, 4, 2, 3).unsqueeze(-1)  # [B, T, tile, KVH, G, 1]
+    weights = torch.exp(scores - scores.amax(1, keepdim=True))
+    denom = weights.sum(1)  # [B, KVH, G]
+    values = F.embedding(slots, v_flat.flatten(1)).float().view(b, length, kvh, d)
+    values = torch.where(valid, values, 0.0).view(b, length, kvh, 1, d)
     # The weighted sum of the values in pieces of the head dimension, one SIMD vector each.
     # Compiled, a sum over the keys gets one accumulator per output vector and a pass over the
     # keys of its own: over the whole head dimension that was a pass over a row's values per
     # query head and vector (24 for SmolLM2's heads on AVX2), each waiting on its one
     # accumulator. The pieces are sibling sums over the same keys, which inductor fuses into one
     # pass with an accumulator each (3 passes): the kernel 1.25x faster in float32, 1.05x in
-    # bfloat16 (bench/paged_kernel_ab.py, bench/RESULTS.md section 2).
-    out = torch.cat([(weighted * part).sum((1, 2)) for part in values.split(VALUE_PIECE, dim=-1)], -1)
+    # bfloat16 (bench/paged_kernel_ab.py, bench/RESULTS.md section 2). Each output is the same sum
+    # in the same order as before: the two builds' outputs are bit for bit equal.
+    weighted = weights.unsqueeze(-1)
+    out = torch.cat([(weighted * part).sum(1) for part in values.split(VALUE_PIECE, dim=-1)], -1)
     out = out / denom.unsqueeze(-1)  # [B, KVH, G, D]
     return out.reshape(b, h, d).to(q.dtype)
 
@@ -221,15 +189,15 @@ class PagedDecodeKernel:
         # Two different shapes, one of them the smallest a call can have, each checked against
         # the reference: a stale or damaged package is caught here, before the server is ready.
         g = torch.Generator(device="cpu").manual_seed(0)
-        k_tiles = torch.randn(WARM_UP_TILES, kvh, d, KEY_TILE, generator=g).to(device, dtype)
-        v_flat = torch.randn(WARM_UP_TILES * KEY_TILE, kvh, d, generator=g).to(device, dtype)
+        k_flat = torch.randn(WARM_UP_SLOTS, kvh, d, generator=g).to(device, dtype)
+        v_flat = torch.randn(WARM_UP_SLOTS, kvh, d, generator=g).to(device, dtype)
         with torch.inference_mode():
             for b, length in WARM_UP_SHAPES:
                 q = torch.randn(b, h, d, generator=g).to(device, dtype)
-                tiles = torch.randint(0, WARM_UP_TILES, (b, max(cdiv(length, KEY_TILE), MIN_PADDED)), generator=g)
+                slots = torch.randint(0, WARM_UP_SLOTS, (b, length), generator=g).to(device)
                 lens = torch.tensor([length] + [length - 1] * (b - 1), device=device)
-                got = self(q, k_tiles, v_flat, tiles.to(device), lens, d**-0.5)
-                want = paged_decode_reference(q, k_tiles, v_flat, tiles.to(device), lens, d**-0.5)
+                got = self(q, k_flat, v_flat, slots, lens, d**-0.5)
+                want = paged_decode_reference(q, k_flat, v_flat, slots, lens, d**-0.5)
                 tol = 1e-4 if dtype == torch.float32 else 2e-2
                 if not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):
                     raise RuntimeError("the compiled kernel disagrees with the reference on the warm-up batch")
@@ -241,23 +209,22 @@ class PagedDecodeKernel:
             return "\n".join(z.read(n).decode() for n in z.namelist() if n.endswith(".kernel.cpp"))
 
     @staticmethod
-    def check_tiles(tiles: torch.Tensor, num_tiles: int) -> None:
-        """Every tile id inside the cache: the compiled kernel does not check the ids it loads.
+    def check_slots(slots: torch.Tensor, num_slots: int) -> None:
+        """Every slot id inside the cache: the compiled kernel does not check the ids it loads.
         They come from block tables the runner validated, so this failing is a bug here."""
-        if tiles.numel() and not (int(tiles.min()) >= 0 and int(tiles.max()) < num_tiles):
-            raise IndexError(f"paged decode: a key tile id outside the cache [0, {num_tiles})")
+        if slots.numel() and not (int(slots.min()) >= 0 and int(slots.max()) < num_slots):
+            raise IndexError(f"paged decode: a slot id outside the cache [0, {num_slots})")
 
-    def __call__(self, q: torch.Tensor, k_tiles: torch.Tensor, v_flat: torch.Tensor, tiles: torch.Tensor,
+    def __call__(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor,
                  lens: torch.Tensor, scale: float) -> torch.Tensor:
-        # Every size but the tile is dynamic in the package (none is ever 0 or 1, see
-        # decode_tiles); the tile is fixed, so that its loop is one vector wide. The
+        # Every size is dynamic in the package (none is ever 0 or 1, see decode_slots). The
         # query goes in as float32, whatever the cache's dtype: the reference converts it first
         # anyway, and compiled, that conversion would be redone for every key it meets (12% of
         # a bf16 call; bench/RESULTS.md section 2). The output is rounded to q's dtype after.
         scale_t = self._scales.get(scale)
         if scale_t is None:
             scale_t = self._scales.setdefault(scale, torch.tensor(scale, dtype=torch.float32))
-        return self._runner.run([q.float(), k_tiles, v_flat, tiles, lens, scale_t])[0].to(q.dtype)
+        return self._runner.run([q.float(), k_flat, v_flat, slots, lens, scale_t])[0].to(q.dtype)
 
 
 def package_path(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -267,7 +234,6 @@ def package_path(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.
     key = {
         "format": PACKAGE_FORMAT, "source": inspect.getsource(paged_decode_reference),
         "export": inspect.getsource(_ExportedKernel), "options": COMPILE_OPTIONS, "value_piece": VALUE_PIECE,
-        "key_tile": KEY_TILE,
         "geometry": [num_heads, num_kv_heads, head_dim, str(dtype)],
     }
     prefix = f"{PACKAGE_KIND}_{str(dtype).removeprefix('torch.')}_{num_heads}x{num_kv_heads}x{head_dim}"
@@ -278,26 +244,22 @@ class _ExportedKernel(torch.nn.Module):
     """The reference as a module, for torch.export; the scale is an input (a 0-d float32 tensor),
     so one package serves any model with this head geometry."""
 
-    def forward(self, q: torch.Tensor, k_tiles: torch.Tensor, v_flat: torch.Tensor, tiles: torch.Tensor,
+    def forward(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor,
                 lens: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return paged_decode_reference(q, k_tiles, v_flat, tiles, lens, scale)
+        return paged_decode_reference(q, k_flat, v_flat, slots, lens, scale)
 
 
 def _build(path: Path, h: int, kvh: int, d: int, dtype: torch.dtype) -> None:
-    """Export the reference with dynamic batch, tile count and cache size (the tile fixed),
-    compile it with AOTInductor and write the package to `path`."""
+    """Export the reference with dynamic batch, key count and cache size, compile it with
+    AOTInductor and write the package to `path`."""
     from torch.export import Dim, export
 
-    rows, row_tiles = Dim("rows", min=MIN_PADDED), Dim("row_tiles", min=MIN_PADDED)
-    cache_tiles = Dim("cache_tiles", min=MIN_PADDED)
+    rows, keys, slots_n = Dim("rows", min=MIN_PADDED), Dim("keys", min=MIN_PADDED), Dim("slots", min=MIN_PADDED)
     # The example's sizes are the hints inductor plans the loops by: a typical decode batch.
     b, length = WARM_UP_SHAPES[0]
-    example = (torch.randn(b, h, d),  # q: float32, see __call__
-               torch.randn(WARM_UP_TILES, kvh, d, KEY_TILE).to(dtype),
-               torch.randn(WARM_UP_TILES * KEY_TILE, kvh, d).to(dtype),
-               torch.randint(0, WARM_UP_TILES, (b, cdiv(length, KEY_TILE))),
+    example = (torch.randn(b, h, d), torch.randn(WARM_UP_SLOTS, kvh, d).to(dtype),  # q: float32, see __call__
+               torch.randn(WARM_UP_SLOTS, kvh, d).to(dtype), torch.randint(0, WARM_UP_SLOTS, (b, length)),
                torch.full((b,), length), torch.tensor(d**-0.5))
-    # v_flat's slot count is KEY_TILE x the tile count: one dimension, so its size is tied to it.
-    dynamic = ({0: rows}, {0: cache_tiles}, {0: KEY_TILE * cache_tiles}, {0: rows, 1: row_tiles}, {0: rows}, None)
+    dynamic = ({0: rows}, {0: slots_n}, {0: slots_n}, {0: rows, 1: keys}, {0: rows}, None)
     program = export(_ExportedKernel(), example, dynamic_shapes=dynamic)
     aot_package.compile_to_package(program, path, COMPILE_OPTIONS)

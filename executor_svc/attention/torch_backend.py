@@ -9,11 +9,9 @@ GEMMs that take bf16 inputs and give float32 results, with the softmax between t
 (see PREFILL_GEMM_PIECE_ROWS), compiled where a PrefillSoftmaxKernel is ready (prefill_softmax.py).
 
 Single-query rows (decodes, and a fully cached prompt's last token) take one of two paths:
-- with a ready PagedDecodeKernel (CPU, inductor) and a block size that is a multiple of 16: a
-  call per group of rows of similar context length (one call when they are alike), reading keys
-  and values in place from their blocks through per-step key tile ids (paged_decode.py). This
-  backend then keeps each layer's keys in key tiles (transposed within every 16 slots, see
-  paged_decode.py), and its prefill gathers read them from there;
+- with a ready PagedDecodeKernel (CPU, inductor): a call per group of rows of similar context
+  length (one call when they are alike), reading keys and values in place from their blocks
+  through per-step slot ids (paged_decode.py);
 - otherwise (--enforce-eager, no C++ compiler, CUDA): requests are sorted by context length and
   grouped so that one padded gather + one SDPA call serves a whole group, with a key-padding
   mask and the query heads of each KV head folded into query rows (so SDPA sees plain multi-
@@ -33,7 +31,7 @@ from chunkwise.plan import cdiv
 
 from ..kv_cache import write_kv
 from .base import AttentionBackend, BatchLayout
-from .paged_decode import KEY_TILE, PagedDecodeKernel, decode_tiles, group_by_length, key_tiles
+from .paged_decode import PagedDecodeKernel, decode_slots, group_by_length
 from .prefill_softmax import PrefillSoftmaxKernel, prefill_softmax_reference
 
 # Upper bound on keys gathered (padded) by one batched decode call: groups x max context.
@@ -117,9 +115,9 @@ class _PagedDecode:
 
     q_rows: torch.Tensor  # [B'] batch rows, padded to >= 2 by repeating the first
     num_rows: int  # B: the real rows, first in q_rows
-    tiles: torch.Tensor  # [B', T] the key tiles of each row's context
+    slots: torch.Tensor  # [B', L] cache slot of each key
     lens: torch.Tensor  # [B'] keys per row
-    checked: bool = False  # tile ids bounds-checked against the cache (first layer)
+    checked: bool = False  # slots bounds-checked against the cache (first layer)
 
 
 @dataclass
@@ -134,15 +132,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
                  decode_kernel: PagedDecodeKernel | None = None, prefill_piece_rows: int | None = PREFILL_PIECE_ROWS,
-                 prefill_bf16_gemm: bool = False, prefill_softmax: PrefillSoftmaxKernel | None = None,
-                 block_size: int | None = None):
+                 prefill_bf16_gemm: bool = False, prefill_softmax: PrefillSoftmaxKernel | None = None):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
-        # The paged decode kernel reads keys in tiles of KEY_TILE slots, so it serves block sizes
-        # that are multiples of it; then this backend writes and reads its keys as key tiles.
-        tiled = block_size is not None and block_size % KEY_TILE == 0
-        self.decode_kernel = decode_kernel if decode_kernel is not None and decode_kernel.ready and tiled else None
-        self.key_tile = KEY_TILE if self.decode_kernel is not None else None
-        self.block_size = block_size
+        self.decode_kernel = decode_kernel if decode_kernel is not None and decode_kernel.ready else None
         # bf16 prefill pieces as two GEMMs (see PREFILL_GEMM_PIECE_ROWS): for CPUs with native
         # bf16 matmuls; chunks of other dtypes take SDPA whatever this says.
         self.prefill_bf16_gemm = prefill_bf16_gemm
@@ -166,9 +158,6 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, layout: BatchLayout) -> _TorchStep:
         device = layout.block_table.device
-        if self.key_tile is not None and layout.block_size != self.block_size:
-            raise ValueError(f"this backend's keys are tiled for block size {self.block_size}, "
-                             f"not {layout.block_size}")
         prefills: list[_Prefill] = []
         singles: list[int] = []
         for r in range(layout.num_requests):
@@ -212,11 +201,11 @@ class TorchAttentionBackend(AttentionBackend):
             members = [singles[i] for i in group]
             rows = torch.tensor(members, device=device)
             nb = max(layout.num_blocks[r] for r in members)
-            tiles, lens = decode_tiles(layout.block_table.index_select(0, rows)[:, :nb],
+            slots, lens = decode_slots(layout.block_table.index_select(0, rows)[:, :nb],
                                        [layout.context_lens[r] for r in members], layout.block_size)
             q_rows = [layout.query_start[r] for r in members]
-            q_rows += [q_rows[0]] * (tiles.shape[0] - len(q_rows))
-            calls.append(_PagedDecode(torch.tensor(q_rows, device=device), len(members), tiles, lens))
+            q_rows += [q_rows[0]] * (slots.shape[0] - len(q_rows))
+            calls.append(_PagedDecode(torch.tensor(q_rows, device=device), len(members), slots, lens))
         return calls
 
     @staticmethod
@@ -263,11 +252,10 @@ class TorchAttentionBackend(AttentionBackend):
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, **extra)
 
-    def _gemm_piece(self, q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, p: _Piece,
+    def _gemm_piece(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p: _Piece,
                     out: torch.Tensor) -> None:
         """One piece by the GEMM path into `out` [rows, H, D] (contiguous): q [rows, H, D] bf16;
-        keys_t [KVH, D, num_keys] and values [KVH, num_keys, D] float32 (bf16 values). Runs
-        under oneDNN's bf16 float32 mode."""
+        keys, values [KVH, num_keys, D] float32 (bf16 values). Runs under oneDNN's bf16 float32 mode."""
         rows, kvh, d = q.shape[0], self.num_kv_heads, self.head_dim
         g = self.num_heads // kvh
         if p.gemm_bias is None:
@@ -278,7 +266,7 @@ class TorchAttentionBackend(AttentionBackend):
         # One copy: converted straight into the folded layout.
         qf = q.view(rows, kvh, g, d).permute(1, 2, 0, 3).to(torch.float32, memory_format=torch.contiguous_format)
         qf = qf.view(kvh, g * rows, d)
-        scores = torch.baddbmm(p.gemm_bias, qf, keys_t, alpha=self.scale)  # [KVH, G * rows, keys]
+        scores = torch.baddbmm(p.gemm_bias, qf, keys.transpose(1, 2), alpha=self.scale)  # [KVH, G * rows, keys]
         # exp(scores - row max) and the row sums: every row sees at least key 0, so its max is
         # finite and exp() of it is 1. (A piece has >= 2 rows and keys: the kernel's smallest sizes.)
         softmax = self.prefill_softmax or prefill_softmax_reference
@@ -289,7 +277,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
                 layout: BatchLayout, prepared: _TorchStep) -> torch.Tensor:
-        write_kv(layer_cache, k, v, layout.slot_mapping, layout.write_rows, self.key_tile)
+        write_kv(layer_cache, k, v, layout.slot_mapping, layout.write_rows)
         out = torch.empty_like(q)
         self._prefill(q, layer_cache, layout, prepared, out)
         self._decode(q, layer_cache, layout, prepared, out)
@@ -301,10 +289,9 @@ class TorchAttentionBackend(AttentionBackend):
         gemm = self.prefill_bf16_gemm and q.dtype == torch.bfloat16
         for s in prepared.prefills:
             blocks = layout.block_table[s.row, : s.num_blocks]
-            values = v_cache.index_select(0, blocks).flatten(0, 1)[: s.context_len].transpose(0, 1)  # [KVH, ctx, D]
-            use_gemm = gemm and s.context_len <= PREFILL_GEMM_MAX_KEYS
-            keys = self._gather_keys(k_cache, blocks, s.context_len, transposed=use_gemm)
-            if use_gemm:
+            keys = k_cache.index_select(0, blocks).flatten(0, 1)[: s.context_len].transpose(0, 1)  # [KVH, ctx, D]
+            values = v_cache.index_select(0, blocks).flatten(0, 1)[: s.context_len].transpose(0, 1)
+            if gemm and s.context_len <= PREFILL_GEMM_MAX_KEYS:
                 keys, values = keys.float(), values.float()
                 # Process-wide: float32 matmuls round their inputs to bf16 while it is set. The
                 # executor's torch work is on one thread, and only the two GEMMs run under it.
@@ -312,7 +299,7 @@ class TorchAttentionBackend(AttentionBackend):
                 before, matmul.fp32_precision = matmul.fp32_precision, "bf16"
                 try:
                     for p in s.pieces:
-                        self._gemm_piece(q[p.q0 : p.q1], keys[:, :, : p.num_keys], values[:, : p.num_keys], p,
+                        self._gemm_piece(q[p.q0 : p.q1], keys[:, : p.num_keys], values[:, : p.num_keys], p,
                                          out[p.q0 : p.q1])
                 finally:
                     matmul.fp32_precision = before
@@ -325,31 +312,16 @@ class TorchAttentionBackend(AttentionBackend):
                                values[:, : p.num_keys].unsqueeze(0), p.mask, p.causal)
                 out[p.q0 : p.q1] = o[0].transpose(0, 1)
 
-    def _gather_keys(self, k_cache: torch.Tensor, blocks: torch.Tensor, context_len: int,
-                     transposed: bool) -> torch.Tensor:
-        """A request's first `context_len` keys from its `blocks`, in one copy: [KVH, ctx, D], or
-        with `transposed` [KVH, D, ctx] (what the GEMM path multiplies by)."""
-        if self.key_tile is None:  # token-major blocks [num_blocks, block_size, KVH, D]
-            keys = k_cache.index_select(0, blocks).flatten(0, 1)[:context_len].transpose(0, 1)
-            return keys.transpose(1, 2) if transposed else keys
-        tiles_per_block = k_cache.shape[1] // self.key_tile
-        tiles = (blocks[:, None] * tiles_per_block + torch.arange(tiles_per_block, device=blocks.device)).flatten()
-        kt = key_tiles(k_cache)  # [num_tiles, KVH, D, tile]
-        if transposed:  # tiles side by side along the keys: [KVH, D, tiles, tile]
-            return kt.permute(1, 2, 0, 3).index_select(2, tiles).flatten(2)[:, :, :context_len]
-        return kt.permute(1, 0, 3, 2).index_select(1, tiles).flatten(1, 2)[:, :context_len]  # [KVH, ctx, D]
-
     def _decode(self, q: torch.Tensor, layer_cache: torch.Tensor, layout: BatchLayout, prepared: _TorchStep,
                 out: torch.Tensor) -> None:
         k_cache, v_cache = layer_cache[0], layer_cache[1]
         for d in prepared.paged_decodes:
             assert self.decode_kernel is not None
-            k_tiles = key_tiles(layer_cache[0])
             if not d.checked:
-                self.decode_kernel.check_tiles(d.tiles, k_tiles.shape[0])
+                self.decode_kernel.check_slots(d.slots, layer_cache.shape[1] * layer_cache.shape[2])
                 d.checked = True
-            o = self.decode_kernel(q.index_select(0, d.q_rows), k_tiles, layer_cache[1].flatten(0, 1), d.tiles,
-                                   d.lens, self.scale)
+            o = self.decode_kernel(q.index_select(0, d.q_rows), layer_cache[0].flatten(0, 1),
+                                   layer_cache[1].flatten(0, 1), d.slots, d.lens, self.scale)
             out.index_copy_(0, d.q_rows[: d.num_rows], o[: d.num_rows])
         for g in prepared.decode_groups:
             n = g.q_rows.numel()

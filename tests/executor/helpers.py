@@ -27,7 +27,7 @@ from executor_svc.config import ExecutorConfig
 from executor_svc.engine import ModelRunner
 
 
-def make_runner(path: Path, block_size: int = 16, num_kv_blocks: int = 96, **config) -> ModelRunner:
+def make_runner(path: Path, block_size: int = 8, num_kv_blocks: int = 96, **config) -> ModelRunner:
     config.setdefault("dtype", "float32")  # exactness is checked in float32 (auto may pick bf16)
     runner = ModelRunner(ExecutorConfig(model=str(path), num_kv_blocks=num_kv_blocks, **config))
     runner.initialize(block_size)

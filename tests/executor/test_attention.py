@@ -23,15 +23,12 @@ from executor_svc.attention import (
 )
 from executor_svc.attention.paged_decode import (
     COMPILE_OPTIONS,
-    KEY_TILE,
     VALUE_PIECE,
     PagedDecodeKernel,
-    decode_tiles,
+    decode_slots,
     group_by_length,
-    key_tiles,
     package_path,
     paged_decode_reference,
-    token_keys_to_tiles,
 )
 from executor_svc.attention.prefill_softmax import PrefillSoftmaxKernel, prefill_softmax_reference
 from executor_svc.kv_cache import KVCache, KVCacheShape
@@ -127,55 +124,22 @@ def softmax_kernel() -> PrefillSoftmaxKernel:
     return _SOFTMAX[0]
 
 
-def torch_backend(decode_path: str, dtype=torch.float32, block_size: int = 16) -> TorchAttentionBackend:
+def torch_backend(decode_path: str, dtype=torch.float32) -> TorchAttentionBackend:
     kernel = paged_kernel(dtype) if decode_path == "paged-inductor" else None
-    backend = TorchAttentionBackend(HEADS, KV_HEADS, DIM, decode_kernel=kernel, block_size=block_size)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, DIM, decode_kernel=kernel)
     assert backend.decode_path == decode_path
-    assert backend.key_tile == (KEY_TILE if decode_path == "paged-inductor" else None)
     return backend
-
-
-def step_for(backend: TorchAttentionBackend, cache: KVCache, layout: BatchLayout) -> StepAttention:
-    """A step of `backend` over `cache` (filled by build_case, token-major), its keys first moved
-    into the backend's layout: key tiles where it reads them so."""
-    if backend.key_tile is not None:
-        for layer in cache.layers:
-            keys = layer[0].view(-1, *layer.shape[3:])
-            layer[0].copy_(token_keys_to_tiles(keys).view(layer[0].shape))
-    return StepAttention(backend, cache, layout)
 
 
 DECODE_PATHS = ["sdpa-folded", "paged-inductor"]
 
 
-@pytest.mark.parametrize("block_size, decode_path", [(1, "sdpa-folded"), (4, "sdpa-folded"), (16, "sdpa-folded"),
-                                                     (16, "paged-inductor"), (32, "paged-inductor")])
+@pytest.mark.parametrize("decode_path", DECODE_PATHS)
+@pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_torch_backend_matches_naive_attention(block_size, decode_path):
-    # The paged kernel with one key tile a block and with two (block 32), keys in tiles for
-    # prefill and decode rows alike; the folded SDPA path at any block size.
     layout, cache, q, k, v, fk, fv = build_case(CHUNKS, block_size, num_blocks=128)
-    out = step_for(torch_backend(decode_path, block_size=block_size), cache, layout)(0, q, k, v)
+    out = StepAttention(torch_backend(decode_path), cache, layout)(0, q, k, v)
     torch.testing.assert_close(out, naive_attention(q, fk, fv, layout), atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("block_size", [1, 4, 8, 24])
-def test_block_sizes_that_are_not_a_multiple_of_the_key_tile_take_the_folded_path(block_size):
-    backend = TorchAttentionBackend(HEADS, KV_HEADS, DIM, decode_kernel=paged_kernel(), block_size=block_size)
-    assert backend.decode_path == "sdpa-folded" and backend.key_tile is None
-    # ... and a tiled backend refuses a step of another block size rather than misread its cache.
-    layout, cache, q, k, v, fk, fv = build_case(CHUNKS, block_size, num_blocks=128)
-    with pytest.raises(ValueError, match="tiled for block size 16"):
-        StepAttention(torch_backend("paged-inductor"), cache, layout)
-
-
-def test_keys_are_written_as_key_tiles():
-    # write_kv with a key tile puts slot s's key at tile s // 16, column s % 16: what key_tiles reads.
-    layout, cache, q, k, v, fk, fv = build_case([(0, 40, 0), (0, 3, 0)], 16, num_blocks=8, seed=2)
-    step_for(torch_backend("paged-inductor"), cache, layout)(0, q, k, v)
-    tiles = key_tiles(cache.layers[0][0])
-    for row, slot in zip(layout.write_rows.tolist(), layout.slot_mapping.tolist()):
-        assert torch.equal(tiles[slot // KEY_TILE, :, :, slot % KEY_TILE], k[row])
-        assert torch.equal(cache.layers[0][1].flatten(0, 1)[slot], v[row])  # values token-major
 
 
 LONG_CHUNKS = [
@@ -222,7 +186,7 @@ def test_prefill_pieces_at_the_default_size():
 def test_paged_decode_handles_the_smallest_batches(chunks):
     # One row, one key, ... : the sizes a compiler specialises; padding must keep them exact.
     layout, cache, q, k, v, fk, fv = build_case(chunks, 16, num_blocks=32, seed=5)
-    out = step_for(torch_backend("paged-inductor"), cache, layout)(0, q, k, v)
+    out = StepAttention(torch_backend("paged-inductor"), cache, layout)(0, q, k, v)
     torch.testing.assert_close(out, naive_attention(q, fk, fv, layout), atol=1e-5, rtol=1e-5)
 
 
@@ -242,48 +206,37 @@ def _check_every_shape():
     kernel = paged_kernel()
     g = torch.Generator().manual_seed(1)
     # As in the executor: the cache is an ordinary tensor, the rest is made in inference mode.
-    k_tiles, v_flat = torch.randn(32, KV_HEADS, DIM, KEY_TILE, generator=g), torch.randn(512, KV_HEADS, DIM, generator=g)
+    k_flat, v_flat = torch.randn(512, KV_HEADS, DIM, generator=g), torch.randn(512, KV_HEADS, DIM, generator=g)
     with torch.inference_mode():
-        for lens, block_size in (([1], 16), ([3, 9], 16), ([100, 7, 64, 2, 31], 16), (list(range(1, 40)), 16),
-                                 ([100, 7, 64, 2, 31], 32), ([33, 1], 64)):
-            table = torch.randint(0, 512 // block_size, (len(lens), -(-128 // block_size)), generator=g)
-            tiles, lens_t = decode_tiles(table, lens, block_size)
-            q = torch.randn(tiles.shape[0], HEADS, DIM, generator=g)
-            got = kernel(q, k_tiles, v_flat, tiles, lens_t, DIM**-0.5)
-            torch.testing.assert_close(got, paged_decode_reference(q, k_tiles, v_flat, tiles, lens_t, DIM**-0.5),
+        for lens in ([1], [3, 9], [100, 7, 64, 2, 31], list(range(1, 40))):
+            table = torch.randint(0, 32, (len(lens), 8), generator=g)
+            slots, lens_t = decode_slots(table, lens, 16)
+            q = torch.randn(slots.shape[0], HEADS, DIM, generator=g)
+            got = kernel(q, k_flat, v_flat, slots, lens_t, DIM**-0.5)
+            torch.testing.assert_close(got, paged_decode_reference(q, k_flat, v_flat, slots, lens_t, DIM**-0.5),
                                        atol=1e-5, rtol=1e-5)
         # another cache size, and a model whose attention scale is not head_dim ** -0.5
-        k_big, v_big = torch.randn(63, KV_HEADS, DIM, KEY_TILE, generator=g), torch.randn(1008, KV_HEADS, DIM, generator=g)
-        tiles, lens_t = decode_tiles(torch.randint(0, 63, (3, 4), generator=g), [50, 64, 9], 16)
+        k_big, v_big = torch.randn(1000, KV_HEADS, DIM, generator=g), torch.randn(1000, KV_HEADS, DIM, generator=g)
+        slots, lens_t = decode_slots(torch.randint(0, 62, (3, 4), generator=g), [50, 64, 9], 16)
         q = torch.randn(3, HEADS, DIM, generator=g)
-        torch.testing.assert_close(kernel(q, k_big, v_big, tiles, lens_t, 0.3),
-                                   paged_decode_reference(q, k_big, v_big, tiles, lens_t, 0.3), atol=1e-5, rtol=1e-5)
-
-
-def test_decode_tiles_follow_the_block_tables():
-    # Tile t of a row is tile t % (block_size / 16) of the row's block t // (block_size / 16);
-    # rows and tiles padded to >= 2 (padding: tile 0, one key).
-    table = torch.tensor([[5, 2, 9], [7, 0, 0]])
-    tiles, lens = decode_tiles(table, [70, 20], 32)
-    assert tiles.tolist() == [[10, 11, 4, 5, 18], [14, 15, 0, 1, 0]] and lens.tolist() == [70, 20]
-    tiles, lens = decode_tiles(table[:1, :1], [3], 16)
-    assert tiles.tolist() == [[5, 0], [0, 0]] and lens.tolist() == [3, 1]
+        torch.testing.assert_close(kernel(q, k_big, v_big, slots, lens_t, 0.3),
+                                   paged_decode_reference(q, k_big, v_big, slots, lens_t, 0.3), atol=1e-5, rtol=1e-5)
 
 
 def _jit_compiled_cpp(options: dict) -> str:
-    """The C++ inductor writes for the paged decode kernel when its sizes hints are 2 rows x 2 tiles."""
+    """The C++ inductor writes for the paged decode kernel when its sizes hints are 2 rows x 5 keys."""
     from torch._inductor.utils import fresh_cache, run_and_get_cpp_code
 
     fn = torch.compile(paged_decode_reference, dynamic=False, fullgraph=True, options=options)
     g = torch.Generator().manual_seed(2)
-    k_tiles, v_flat = torch.randn(4, KV_HEADS, DIM, KEY_TILE, generator=g), torch.randn(64, KV_HEADS, DIM, generator=g)
-    q, tiles, lens = torch.randn(2, HEADS, DIM, generator=g), torch.randint(0, 4, (2, 2), generator=g), \
+    k_flat, v_flat = torch.randn(64, KV_HEADS, DIM, generator=g), torch.randn(64, KV_HEADS, DIM, generator=g)
+    q, slots, lens = torch.randn(2, HEADS, DIM, generator=g), torch.randint(0, 64, (2, 5), generator=g), \
         torch.tensor([5, 4])
-    for t, dims in ((q, (0,)), (k_tiles, (0,)), (v_flat, (0,)), (tiles, (0, 1)), (lens, (0,))):
+    for t, dims in ((q, (0,)), (k_flat, (0,)), (v_flat, (0,)), (slots, (0, 1)), (lens, (0,))):
         for dim in dims:
             torch._dynamo.maybe_mark_dynamic(t, dim)
     with fresh_cache(), torch.inference_mode():
-        _, code = run_and_get_cpp_code(fn, q, k_tiles, v_flat, tiles, lens, DIM**-0.5)
+        _, code = run_and_get_cpp_code(fn, q, k_flat, v_flat, slots, lens, DIM**-0.5)
     torch._dynamo.reset()
     return code
 
@@ -312,7 +265,7 @@ def test_paged_decode_runs_every_loop_nest_in_parallel():
     assert small.count("omp for") >= 4 and "omp single" not in small, small
     plain = _jit_compiled_cpp({})
     assert "omp single" in plain or "omp for" not in plain
-    # Tile ids are bounds-checked once per step (check_tiles), not at every load in the loops,
+    # Slot ids are bounds-checked once per step (check_slots), not at every load in the loops,
     # and never wrapped as if negative (the gathers are embedding lookups, see the reference).
     assert "index out of bounds" in plain and "index out of bounds" not in code
     assert " < 0;" not in code, code
@@ -338,9 +291,9 @@ def test_loading_the_package_leaves_nothing_in_the_temp_dir(tmp_path, monkeypatc
     assert list(tmp_path.iterdir()) == []
     assert os.environ["TMPDIR"] == str(tmp_path)  # put back as it was
     # Still runs, and as the first load does.
-    q, k, v = torch.randn(3, HEADS, DIM), torch.randn(4, KV_HEADS, DIM, KEY_TILE), torch.randn(64, KV_HEADS, DIM)
-    tiles, lens = torch.randint(0, 4, (3, 3)), torch.tensor([40, 17, 33])
-    torch.testing.assert_close(again(q, k, v, tiles, lens, DIM**-0.5), first(q, k, v, tiles, lens, DIM**-0.5),
+    q, k, v = torch.randn(3, HEADS, DIM), torch.randn(64, KV_HEADS, DIM), torch.randn(64, KV_HEADS, DIM)
+    slots, lens = torch.randint(0, 64, (3, 40)), torch.tensor([40, 17, 33])
+    torch.testing.assert_close(again(q, k, v, slots, lens, DIM**-0.5), first(q, k, v, slots, lens, DIM**-0.5),
                                atol=0, rtol=0)
 
 
@@ -383,11 +336,11 @@ def test_a_damaged_package_is_rebuilt(tmp_path, monkeypatch, caplog):
     assert not kernel.ready and "could not be built" in kernel.reason, kernel.reason
 
 
-def test_tile_ids_outside_the_cache_are_refused_before_the_kernel_runs():
-    PagedDecodeKernel.check_tiles(torch.tensor([[0, 5], [7, 0]]), num_tiles=8)
+def test_slot_ids_outside_the_cache_are_refused_before_the_kernel_runs():
+    PagedDecodeKernel.check_slots(torch.tensor([[0, 5], [7, 0]]), num_slots=8)
     for bad in (8, -1):
         with pytest.raises(IndexError, match=r"outside the cache \[0, 8\)"):
-            PagedDecodeKernel.check_tiles(torch.tensor([[0, bad], [7, 0]]), num_tiles=8)
+            PagedDecodeKernel.check_slots(torch.tensor([[0, bad], [7, 0]]), num_slots=8)
 
 
 def test_paged_decode_bf16_within_bf16_rounding_of_fp32():
@@ -398,7 +351,7 @@ def test_paged_decode_bf16_within_bf16_rounding_of_fp32():
     layout, cache32, q, k, v, fk, fv = build_case(chunks, 16, num_blocks=128, seed=7)
     _, cache16, q16, k16, v16, _, _ = build_case(chunks, 16, num_blocks=128, dtype=torch.bfloat16, seed=7)
     want = naive_attention(q, fk, fv, layout)
-    got = step_for(torch_backend("paged-inductor", torch.bfloat16), cache16, layout)(0, q16, k16, v16)
+    got = StepAttention(torch_backend("paged-inductor", torch.bfloat16), cache16, layout)(0, q16, k16, v16)
     err = (got.float() - want).abs().max().item()
     assert err <= 2**-9 * 16, err
     # and it is really bf16 arithmetic on bf16 data, not an fp32 result by accident
@@ -422,27 +375,23 @@ def test_torch_backend_batched_decodes_ignore_foreign_slots(monkeypatch, decode_
     import executor_svc.attention.torch_backend as tb
 
     monkeypatch.setattr(tb, "DECODE_GROUP_MAX_KEYS", 64)
-    # The folded path at block size 4; the paged kernel at 16 (key tiles), with contexts 4x as long.
-    bs, scale = (4, 1) if decode_path == "sdpa-folded" else (16, 4)
-    lens = [scale * n for n in (3, 17, 9, 30, 30, 2, 25, 8)]
-    chunks = [(n - 1, 1, n - 1) for n in lens] + [(0, 6, 0), (scale * 12, 1, scale * 12 + 1)]
-    layout, cache, q, k, v, fk, fv = build_case(chunks, bs, num_blocks=64, seed=3)
+    chunks = [(n - 1, 1, n - 1) for n in (3, 17, 9, 30, 30, 2, 25, 8)] + [(0, 6, 0), (12, 1, 13)]
+    layout, cache, q, k, v, fk, fv = build_case(chunks, 4, num_blocks=64, seed=3)
     owned = set()
     for r, ctx in enumerate(layout.context_lens):
         for p in range(ctx):
-            owned.add(int(layout.block_table[r, p // bs]) * bs + p % bs)
+            owned.add(int(layout.block_table[r, p // 4]) * 4 + p % 4)
     k_flat, v_flat = cache.flat(0)
     foreign = torch.tensor(sorted(set(range(cache.num_slots)) - owned))
     k_flat[foreign], v_flat[foreign] = float("nan"), float("nan")
-    step = step_for(torch_backend(decode_path, block_size=bs), cache, layout)
+    step = StepAttention(torch_backend(decode_path), cache, layout)
     if decode_path == "sdpa-folded":
         assert len(step.prepared.decode_groups) > 2
     else:
-        # rows of contexts 120, 120 | 100 | 68 | 49, 36, 32, 12, 8: a kernel call each, each padded
-        # to its own longest context (the last one takes the rest: at most DECODE_GROUPS_MAX calls)
+        # rows of contexts 30, 30 | 25 | 17 | 13, 9, 8, 3, 2: a kernel call each, each padded to
+        # its own longest context (the last one takes the rest: at most DECODE_GROUPS_MAX calls)
         calls = step.prepared.paged_decodes
-        assert [(d.num_rows, d.tiles.shape[1], int(d.lens.max())) for d in calls] == \
-            [(2, 8, 120), (1, 7, 100), (1, 5, 68), (5, 4, 49)]
+        assert [(d.num_rows, d.slots.shape[1]) for d in calls] == [(2, 30), (1, 25), (1, 17), (5, 13)]
     out = step(0, q, k, v)
     torch.testing.assert_close(out, naive_attention(q, fk, fv, layout), atol=1e-5, rtol=1e-5)
 
