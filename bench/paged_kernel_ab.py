@@ -7,7 +7,8 @@ OLD and NEW are package files from the chunkwise cache (`~/.cache/chunkwise/kern
 kernel source, torch, CPU and head geometry; `paged_decode_reference` hashes into the name, so
 the build before a change to it is still there after it). They must share a dtype and head
 geometry. SmolLM2-135M shapes by default, as bench/attention_probe.py: 30 layers each with its
-own cache of 2,000 blocks of 16 tokens, block tables scattered over the pool; cases decode 32 x
+own cache of 2,000 blocks of 16 tokens, block tables scattered over the pool (`--consecutive`:
+each row's blocks consecutive and ascending, what a server mostly hands out); cases decode 32 x
 700 and 32 rows of 600..800 keys (one call each). Each round times one pass over the 30 layers
 of each build, in alternating order; the ratio old / new is paired within a round.
 """
@@ -44,6 +45,8 @@ def main(argv=None) -> int:
     p.add_argument("old", type=Path)
     p.add_argument("new", type=Path)
     p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--consecutive", action="store_true",
+                   help="each row's blocks consecutive and ascending (what a server hands out), not scattered")
     p.add_argument("--json")
     ns = p.parse_args(argv)
     dtype, heads, kv_heads, dim = geometry(ns.old)
@@ -57,13 +60,15 @@ def main(argv=None) -> int:
     scale = torch.tensor(dim**-0.5)
     cases = {"decode_32x700": [700] * ROWS, "decode_ragged_600_800": [rng.randint(600, 800) for _ in range(ROWS)]}
     result: dict = {"command": " ".join(["bench/paged_kernel_ab.py", str(ns.old), str(ns.new), "--rounds",
-                                         str(ns.rounds)]),
+                                         str(ns.rounds)] + (["--consecutive"] if ns.consecutive else [])),
                     "old": ns.old.name, "new": ns.new.name, "dtype": str(dtype), "threads": torch.get_num_threads(),
                     "cases": {}}
     for case, lens in cases.items():
         pool = list(range(NUM_BLOCKS))
-        rng.shuffle(pool)
-        table = torch.tensor([[pool.pop() for _ in range(cdiv(max(lens), BLOCK_SIZE))] for _ in lens])
+        if not ns.consecutive:
+            rng.shuffle(pool)
+        # pop() takes from the end: reversed, a consecutive row's blocks ascend.
+        table = torch.tensor([[pool.pop() for _ in range(cdiv(max(lens), BLOCK_SIZE))][::-1] for _ in lens])
         slots, lens_t = decode_slots(table, lens, BLOCK_SIZE)
         q = torch.randn(ROWS, heads, dim, generator=gen)  # the kernel takes the query in float32
 
