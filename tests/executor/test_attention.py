@@ -33,8 +33,10 @@ from executor_svc.attention.paged_decode import (
 from executor_svc.attention.prefill_softmax import PrefillSoftmaxKernel, prefill_softmax_reference
 from executor_svc.kv_cache import KVCache, KVCacheShape
 
-# DIM spans several of the decode kernel's value pieces on AVX2 (8 floats) and AVX-512 (16) alike.
-HEADS, KV_HEADS, DIM = 4, 2, 32
+# DIM spans several of the decode kernel's value pieces on AVX2 (8 floats) and AVX-512 (16) alike;
+# 3 query heads a KV head, so that the kernel's fused loops over the query heads (3 sums) and over
+# the value pieces (2 or 4) can be told apart in its C++.
+HEADS, KV_HEADS, DIM = 6, 2, 32
 
 
 def build_case(chunks, block_size, num_blocks, device="cpu", dtype=torch.float32, seed=0, dim=DIM):
@@ -247,10 +249,23 @@ def test_paged_decode_sums_the_values_of_all_pieces_in_one_pass():
     code = paged_kernel().generated_cpp()
     pieces = -(-DIM // VALUE_PIECE)
     assert pieces >= 2, "the test's head dim must span several pieces"
-    # The accumulators of one fused loop are declared together, before the loop over the keys.
-    declared = r"\s*".join(rf"float tmp_acc{i} = 0;\s*at::vec::Vectorized<float> tmp_acc{i}_vec = "
-                           r"at::vec::Vectorized<float>\(0\);" for i in range(pieces))
-    assert re.search(declared, code), code
+    assert re.search(_fused_sums(pieces), code), code
+
+
+def _fused_sums(n: int) -> str:
+    """C++ of one loop with n sibling sums: exactly n accumulators declared together, then the loop."""
+    vec = r"at::vec::Vectorized(?:N)?<float(?:,\d+)?>"  # one vector, or several (bf16 loads are wider)
+    return r"\s*".join(rf"float tmp_acc{i} = 0;\s*{vec} tmp_acc{i}_vec = {vec}\(0\);" for i in range(n)) + r"\s*for\("
+
+
+def test_paged_decode_scores_all_query_heads_of_a_kv_head_in_one_pass():
+    # Each query head's scores are a sibling sum over the same keys, so that the compiler makes
+    # one loop over a key's head dimension with an accumulator per query head, each key loaded
+    # (and in bf16 converted) once for all of them, not once per query head.
+    group = HEADS // KV_HEADS
+    assert group != -(-DIM // VALUE_PIECE), "the two fused loops must differ in their sums"
+    for dtype in (torch.float32, torch.bfloat16):
+        assert re.search(_fused_sums(group), paged_kernel(dtype).generated_cpp())
 
 
 def test_paged_decode_runs_every_loop_nest_in_parallel():
