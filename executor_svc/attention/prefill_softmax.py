@@ -5,7 +5,7 @@ The GEMM path (torch_backend.py, PREFILL_GEMM_PIECE_ROWS) takes a piece's float3
 In eager torch that is four passes over the scores (max, subtract, exp, sum), each a separate
 kernel; on SmolLM2's chunk shapes they took ~40% of a piece on a Zen 5, as much as either GEMM.
 Inductor fuses them into two passes (the max; then exp, store and sum) with its vectorised exp:
-2.2x faster than the eager ops, a piece 1.2x faster (bench/RESULTS.md section 2).
+2.0-2.3x faster than the eager ops, a piece 1.19-1.27x faster (bench/RESULTS.md section 2).
 
 - `prefill_softmax_reference`: the math, eager; the definition the package is tested against.
 - `PrefillSoftmaxKernel`: the reference compiled ahead of time with dynamic rows and keys, one
@@ -80,9 +80,8 @@ class PrefillSoftmaxKernel:
         t0 = time.perf_counter()
         try:
             self.package = package_path(cache_dir)
-            # `_build` looked up at the call, so that tests can stand in for the compiler.
-            self._runner, how = aot_package.load_or_build(self.package, lambda path: _build(path),
-                                                          "prefill softmax kernel", PACKAGE_KIND)
+            self._runner, how = aot_package.load_or_build(self.package, _build, "prefill softmax kernel",
+                                                          PACKAGE_KIND)
             self._warm_up()
         except Exception as e:  # a broken toolchain shows up here as any kind of error
             self.reason = f"the prefill softmax kernel could not be built ({type(e).__name__}: {str(e)[:200]}): " \
