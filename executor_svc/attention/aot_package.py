@@ -60,6 +60,11 @@ def compiler_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+def not_compiled_reason(device: torch.device, enforce_eager: bool) -> str | None:
+    """Why a compiled kernel is not used here (--enforce-eager, no compiler), or None."""
+    return "--enforce-eager" if enforce_eager else compiler_unavailable_reason(device)
+
+
 def package_path(prefix: str, key: dict[str, Any], cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Where the package `prefix`_<hash>.pt2 lives. The hash covers `key` (the kernel's source,
     options, geometry), torch, and the CPU: inductor compiles with -march=native, so a cache

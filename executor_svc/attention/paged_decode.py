@@ -165,10 +165,7 @@ class PagedDecodeKernel:
         self.ready = False
         self.compile_s = 0.0
         self.package: Path | None = None
-        if enforce_eager:
-            self.reason = "--enforce-eager: using folded-query SDPA over gathered blocks"
-            return
-        why = aot_package.compiler_unavailable_reason(device)
+        why = aot_package.not_compiled_reason(device, enforce_eager)
         if why is not None:
             self.reason = f"{why}: using folded-query SDPA over gathered blocks"
             return

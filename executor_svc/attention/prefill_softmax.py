@@ -70,10 +70,7 @@ class PrefillSoftmaxKernel:
                  cache_dir: str | os.PathLike[str] | None = None):
         self.ready = False
         self.package: Path | None = None
-        if enforce_eager:
-            self.reason = "--enforce-eager: eager softmax"
-            return
-        why = aot_package.compiler_unavailable_reason(device)
+        why = aot_package.not_compiled_reason(device, enforce_eager)
         if why is not None:
             self.reason = f"{why}: eager softmax"
             return
