@@ -67,8 +67,9 @@ def main(argv=None) -> int:
         pool = list(range(NUM_BLOCKS))
         if not ns.consecutive:
             rng.shuffle(pool)
+        rows = [[pool.pop() for _ in range(cdiv(max(lens), BLOCK_SIZE))] for _ in lens]
         # pop() takes from the end: reversed, a consecutive row's blocks ascend.
-        table = torch.tensor([[pool.pop() for _ in range(cdiv(max(lens), BLOCK_SIZE))][::-1] for _ in lens])
+        table = torch.tensor([row[::-1] for row in rows] if ns.consecutive else rows)
         slots, lens_t = decode_slots(table, lens, BLOCK_SIZE)
         q = torch.randn(ROWS, heads, dim, generator=gen)  # the kernel takes the query in float32
 
