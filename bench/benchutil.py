@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 from pathlib import Path
 
 
@@ -23,6 +24,11 @@ def machine() -> dict:
     info.update(model_name=fields.get("model name"), cpu_family=fields.get("cpu family"), model=fields.get("model"),
                 flags=sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"}))
     return info
+
+
+def spread(values: list[float]) -> dict:
+    """Median, min, max and count of a set of values (times, rates, paired ratios)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def write_json(path: str | None, result: dict) -> None:

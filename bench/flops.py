@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-from benchutil import write_json
+from benchutil import spread, write_json
 
 
 def cpu_flags() -> dict:
@@ -66,10 +66,6 @@ def timed(fn, repeats: int, inner: int = 1) -> list[float]:
             fn()
         out.append((time.perf_counter() - t) / inner)
     return out
-
-
-def spread(rates: list[float]) -> dict:
-    return {"median": statistics.median(rates), "min": min(rates), "max": max(rates), "n": len(rates)}
 
 
 def matmul_peak(dtype: torch.dtype, shapes, repeats: int) -> dict:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from benchutil import write_json
+from benchutil import spread, write_json
 
 from chunkwise.plan import cdiv
 from executor_svc.attention.aot_package import load
@@ -84,11 +84,11 @@ def main(argv=None) -> int:
                     t0 = time.perf_counter()
                     run(name)
                     ms[name].append(1000 * (time.perf_counter() - t0))
-        ratios = sorted(o / n for o, n in zip(ms["old"], ms["new"]))
+        ratios = [o / n for o, n in zip(ms["old"], ms["new"])]
         entry: dict = {
             "outputs_equal": equal, "ms": ms,
             "min_ms": {k: min(v) for k, v in ms.items()}, "median_ms": {k: statistics.median(v) for k, v in ms.items()},
-            "old_over_new_paired": {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]},
+            "old_over_new_paired": spread(ratios),
         }
         result["cases"][case] = entry
         paired = entry["old_over_new_paired"]

@@ -38,7 +38,7 @@ import time
 from collections import defaultdict
 
 import torch
-from benchutil import name_paged_kernel_in_profiles, write_json
+from benchutil import name_paged_kernel_in_profiles, spread, write_json
 
 from chunkwise.model_source import resolve_model
 from chunkwise.plan import NewRequestData, RunningRequestDelta, SamplingParams, ScheduledChunk, StepPlan
@@ -65,6 +65,29 @@ FAMILIES = (
                                           "aten::_to_copy", "aten::sub", "aten::div")),
     ("sampling", ("argmax", "softmax", "log_softmax", "topk", "sort", "multinomial", "gather")),
 )
+
+
+# --compare-NAME: (help, the baseline runner's name, the other one's (the default), the JSON key
+# of their paired ratio baseline / other).
+COMPARISONS = {
+    "packing": ("two runners, linear layers through oneDNN's prepacked weights and through F.linear, in "
+                "interleaved rounds, with the paired ratio", "F.linear", "packed", "plain_over_packed"),
+    "plain-weights": ("two runners, the default (the packed weights serve every batch) and one with "
+                      "--cpu-plain-weight-min-rows 512, in interleaved rounds, with the paired ratio",
+                      "packed-only", "plain-for-large", "packed_only_over_plain_for_large"),
+    "prefill-pieces": ("two runners, prefill attention in pieces of rows (the default) and one SDPA call per "
+                       "chunk, in interleaved rounds, with the paired ratio", "one-call", "pieces",
+                       "one_call_over_pieces"),
+    "prefill-gemm": ("two runners, bf16 prefill attention as GEMMs in oneDNN's bf16 float32 mode (the default "
+                     "on CPUs with native bf16) and torch's flash SDPA, in interleaved rounds", "sdpa", "gemm",
+                     "sdpa_over_gemm"),
+    "prefill-softmax": ("two runners, the bf16 GEMM prefill path with its compiled softmax (the default) and "
+                        "with the eager one, in interleaved rounds", "eager", "compiled", "eager_over_compiled"),
+    "block-order": ("one runner, two schedulers each keeping its block pool across rounds (so that from the "
+                    "third round on every allocation evicts), one handing blocks out ascending (the default) "
+                    "and one in the order its free lists give them, in interleaved rounds", "as-freed",
+                    "ascending", "as_freed_over_ascending"),
+}
 
 
 def new_scheduler(runner: ModelRunner, budget: int) -> Scheduler:
@@ -185,11 +208,9 @@ def _kind_s(runs: list[dict], rnd: int, name: str, kind: str) -> float:
 def paired(result: dict, runs: list[dict], base: str, new: str, key: str, repeats: int, kinds) -> None:
     """base / new wall time per round (above 1: `new` is faster), whole run and by kind of step."""
     ratios = [_wall(runs, i, base) / _wall(runs, i, new) for i in range(repeats)]
-    result[f"{key}_wall"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
-    by_kind = {}
-    for kind in kinds:
-        k = [_kind_s(runs, i, base, kind) / _kind_s(runs, i, new, kind) for i in range(repeats)]
-        by_kind[kind] = {"median": statistics.median(k), "min": min(k), "max": max(k)}
+    result[f"{key}_wall"] = spread(ratios)
+    by_kind = {kind: spread([_kind_s(runs, i, base, kind) / _kind_s(runs, i, new, kind) for i in range(repeats)])
+               for kind in kinds}
     result[f"{key}_by_kind"] = by_kind
     print(f"{base} / {new} wall time, paired: median {statistics.median(ratios):.3f} "
           f"({min(ratios):.3f}-{max(ratios):.3f}, n={len(ratios)})"
@@ -225,25 +246,8 @@ def main(argv=None) -> int:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-cpu-keep-freed-memory", action="store_true",
                    help="glibc's malloc defaults (process-wide, so an A/B alternates processes)")
-    p.add_argument("--compare-packing", action="store_true",
-                   help="two runners, linear layers through oneDNN's prepacked weights and through F.linear, "
-                        "in interleaved rounds, with the paired ratio")
-    p.add_argument("--compare-plain-weights", action="store_true",
-                   help="two runners, the default (the packed weights serve every batch) and one with "
-                        "--cpu-plain-weight-min-rows 512, in interleaved rounds, with the paired ratio")
-    p.add_argument("--compare-prefill-pieces", action="store_true",
-                   help="two runners, prefill attention in pieces of rows (the default) and one SDPA call per "
-                        "chunk, in interleaved rounds, with the paired ratio")
-    p.add_argument("--compare-prefill-gemm", action="store_true",
-                   help="two runners, bf16 prefill attention as GEMMs in oneDNN's bf16 float32 mode (the "
-                        "default on CPUs with native bf16) and torch's flash SDPA, in interleaved rounds")
-    p.add_argument("--compare-prefill-softmax", action="store_true",
-                   help="two runners, the bf16 GEMM prefill path with its compiled softmax (the default) and "
-                        "with the eager one, in interleaved rounds")
-    p.add_argument("--compare-block-order", action="store_true",
-                   help="one runner, two schedulers each keeping its block pool across rounds (so that from the "
-                        "third round on every allocation evicts), one handing blocks out ascending (the "
-                        "default) and one in the order its free lists give them, in interleaved rounds")
+    for name, (help_text, *_) in COMPARISONS.items():
+        p.add_argument(f"--compare-{name}", action="store_true", help=help_text)
     p.add_argument("--decode", nargs=2, type=int, metavar=("BATCH", "CTX"),
                    help="instead of the workload: decode steps of BATCH requests at context CTX (median of 5 a round)")
     p.add_argument("--json")
@@ -317,13 +321,8 @@ def main(argv=None) -> int:
               "cpu_keep_freed_memory": not ns.no_cpu_keep_freed_memory,
               "plain_weight_layers": {n: [r.model.plain_layers, r.model.plain_bytes >> 20] for n, r in runners.items()},
               "runs": runs}
-    for flag, base, new, key in ((ns.compare_packing, "F.linear", "packed", "plain_over_packed"),
-                                 (ns.compare_plain_weights, "packed-only", "plain-for-large", "packed_only_over_plain_for_large"),
-                                 (ns.compare_prefill_pieces, "one-call", "pieces", "one_call_over_pieces"),
-                                 (ns.compare_block_order, "as-freed", "ascending", "as_freed_over_ascending"),
-                                 (ns.compare_prefill_gemm, "sdpa", "gemm", "sdpa_over_gemm"),
-                                 (ns.compare_prefill_softmax, "eager", "compiled", "eager_over_compiled")):
-        if flag:
+    for name, (_, base, new, key) in COMPARISONS.items():
+        if getattr(ns, f"compare_{name.replace('-', '_')}"):
             paired(result, runs, base, new, key, ns.repeats, kinds=() if ns.decode else ("mixed", "decode-only"))
     write_json(ns.json, result)
     return 0
