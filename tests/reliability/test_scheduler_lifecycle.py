@@ -97,8 +97,8 @@ def test_sigterm_finishes_running_requests_and_refuses_new_ones(dep, reference):
 def test_sigterm_aborts_what_the_grace_period_cannot_finish(dep):
     dep.start_scheduler(["--shutdown-grace", "1"])
     (prompt,) = rand_prompts(202, 1)
-    stream = StreamInThread(dep.address, prompt, max_tokens=100, temperature=0, ignore_eos=True)
-    assert stream.first_chunk.wait(60)
+    stream = StreamInThread(dep.address, prompt, max_tokens=200, temperature=0, ignore_eos=True)
+    assert stream.first_chunk.wait(60)  # 200 tokens: still running when the pause lands
     with paused(dep.executor):  # it cannot finish in time
         t0 = time.monotonic()
         dep.scheduler.popen.send_signal(signal.SIGTERM)
