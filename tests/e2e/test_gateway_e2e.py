@@ -146,7 +146,10 @@ def test_cache_aware_routes_a_conversation_to_the_replica_holding_it(deployment,
     gateway, stacks = deployment
     system = {"role": "system", "content": "You are a geography tutor. " * 30}  # a few hundred tokens
     turn1 = [system, {"role": "user", "content": "Name a river in France."}]
+    from chunkwise_tools.loadtest import scrape_prometheus
+
     before = _stats(stacks)
+    events_before = scrape_prometheus(gateway.metrics_url).get("smg_kv_event_blocks_total", 0)
     r1 = http.post("/v1/chat/completions", json={"model": gateway.model, "messages": turn1, "max_tokens": 8,
                                                  "temperature": 0})
     answer = r1.json()["choices"][0]["message"]["content"]
@@ -154,7 +157,11 @@ def test_cache_aware_routes_a_conversation_to_the_replica_holding_it(deployment,
     first = [m["prefix_cache_queries"] - b["prefix_cache_queries"] for m, b in zip(mid, before)]
     assert sorted(first)[0] == 0 and sorted(first)[1] > 0  # one replica computed turn 1
     holder = first.index(max(first))
-    time.sleep(0.5)  # the replica's KV events reach the gateway
+    # The replica's KV events (the blocks turn 1 stored) reach the gateway: waited for, not slept on.
+    deadline = time.monotonic() + 30
+    while scrape_prometheus(gateway.metrics_url).get("smg_kv_event_blocks_total", 0) <= events_before:
+        assert time.monotonic() < deadline, "the gateway received no KV events for turn 1"
+        time.sleep(0.05)
     turn2 = [*turn1, {"role": "assistant", "content": answer}, {"role": "user", "content": "And one in Spain?"}]
     r2 = http.post("/v1/chat/completions", json={"model": gateway.model, "messages": turn2, "max_tokens": 8,
                                                  "temperature": 0})
@@ -165,8 +172,6 @@ def test_cache_aware_routes_a_conversation_to_the_replica_holding_it(deployment,
     assert hits[holder] > 0 and hits[1 - holder] == 0
     # The gateway took the replicas' KV event streams in: the blocks turn 1 stored reached SMG's
     # KV index (its own metrics: blocks received in events, and blocks its index holds).
-    from chunkwise_tools.loadtest import scrape_prometheus
-
     metrics = scrape_prometheus(gateway.metrics_url)
     assert metrics.get("smg_kv_event_blocks_total", 0) > 0, metrics
     assert metrics.get("smg_kv_index_blocks", 0) > 0, metrics

@@ -155,7 +155,10 @@ def test_a_plan_whose_caller_gave_up_while_queued_is_not_run(tiny_llama_path):
             steps.step(prefill(1))
             steps.send(blind_decode(2, 10))
             steps.send(blind_decode(3, 11))
-            time.sleep(0.2)  # step 2 is running (1 s), step 3 is queued behind it
+            deadline = time.monotonic() + 10
+            while 2 not in executed:  # step 2 is running (1 s), step 3 is queued behind it
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
             steps.cancel()
             with pytest.raises(grpc.RpcError) as e:
                 steps.result()

@@ -55,6 +55,15 @@ async def connected(address: str, step_timeout: float = 30.0):
         await client.close()
 
 
+async def until(predicate, timeout: float = 10.0):
+    """Wait for a fact (a step started) instead of sleeping a guess: a loaded machine may take
+    longer than any fixed sleep to start a step."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
 async def settle(*steps):
     """Each step's result or exception."""
     return await asyncio.gather(*steps, return_exceptions=True)
@@ -113,35 +122,35 @@ def test_a_step_past_its_deadline_fails_it_and_the_steps_behind_it(tiny_llama_pa
 
 
 def test_cancelling_a_step_cancels_the_steps_behind_it(tiny_llama_path):
-    async def run(address):
+    async def run(address, executed):
         async with connected(address) as (client, epoch):
             await client.execute(prefill(1), epoch)
             dropped = client.execute(blind_decode(2, 10), epoch)
             behind = client.execute(blind_decode(3, 11), epoch)
-            await asyncio.sleep(0.2)  # step 2 runs (1 s), 3 is queued
+            await until(lambda: 2 in executed)  # step 2 runs (1 s), 3 is queued
             dropped.cancel()  # what the engine's _drop_sent does
             (outcome,) = await settle(behind)
             await asyncio.sleep(1.5)
             return outcome
 
     with served(tiny_llama_path, slow_steps={2: 1.0}) as (address, executed, _):
-        outcome = asyncio.run(run(address))
+        outcome = asyncio.run(run(address, executed))
         assert isinstance(outcome, ExecutorUnavailable)
         assert executed == [1, 2]
 
 
 def test_a_lost_executor_fails_the_waiting_steps_as_unavailable(tiny_llama_path):
-    async def run(address, stop):
+    async def run(address, executed, stop):
         async with connected(address) as (client, epoch):
             await client.execute(prefill(1), epoch)
             waiting = client.execute(blind_decode(2, 10), epoch)
-            await asyncio.sleep(0.2)
+            await until(lambda: 2 in executed)
             stop()  # the server goes away while step 2 runs
             (outcome,) = await settle(waiting)
             return outcome
 
-    with served(tiny_llama_path, slow_steps={2: 1.0}) as (address, _, server):
-        outcome = asyncio.run(run(address, lambda: server.stop(None)))
+    with served(tiny_llama_path, slow_steps={2: 1.0}) as (address, executed, server):
+        outcome = asyncio.run(run(address, executed, lambda: server.stop(None)))
     assert isinstance(outcome, ExecutorUnavailable), outcome
 
 
