@@ -7,8 +7,11 @@ the state a plan is checked against.
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from chunkwise.plan import (
     ExecutorInfo,
+    ModelInfo,
     NewRequestData,
     RunningRequestDelta,
     SampledToken,
@@ -19,45 +22,25 @@ from chunkwise.plan import (
 )
 from chunkwise.v1 import executor_pb2 as pb
 
+# The handshake's model fields: the dataclass and the proto message have the same names
+# (tests/test_codec.py checks it), so a field added to both needs no code here.
+MODEL_INFO_FIELDS = tuple(f.name for f in fields(ModelInfo))
+
 
 # ---- the handshake (Initialize) -------------------------------------------------------------
 
 
-def model_info_to_proto(info) -> pb.ModelInfo:
-    """The executor's side: `info` is its ModelRunner.info (executor_svc.engine.ModelInfo)."""
-    return pb.ModelInfo(
-        model_path=str(info.model_path),
-        architecture=info.architecture,
-        vocab_size=info.vocab_size,
-        max_model_len=info.max_model_len,
-        eos_token_ids=list(info.eos_token_ids),
-        dtype=str(info.dtype),
-        device=str(info.device),
-        attention_backend=info.attention_backend,
-        num_parameters=info.num_parameters,
-        decode_attention=info.decode_attention,
-        prefill_attention=info.prefill_attention,
-    )
+def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
+    """The executor's side: its ModelRunner.info, field by field."""
+    return pb.ModelInfo(**{name: getattr(info, name) for name in MODEL_INFO_FIELDS})
 
 
 def executor_info_from_proto(resp: pb.InitializeResponse) -> ExecutorInfo:
     """The scheduler's side of the same message."""
-    m = resp.model
-    return ExecutorInfo(
-        epoch=resp.executor_epoch,
-        block_size=resp.block_size,
-        num_kv_blocks=resp.num_kv_blocks,
-        model_path=m.model_path,
-        architecture=m.architecture,
-        vocab_size=m.vocab_size,
-        max_model_len=m.max_model_len,
-        eos_token_ids=tuple(m.eos_token_ids),
-        dtype=m.dtype,
-        device=m.device,
-        attention_backend=m.attention_backend,
-        decode_attention=m.decode_attention,
-        prefill_attention=m.prefill_attention,
-    )
+    model = {name: getattr(resp.model, name) for name in MODEL_INFO_FIELDS}
+    model["eos_token_ids"] = tuple(model["eos_token_ids"])
+    return ExecutorInfo(epoch=resp.executor_epoch, block_size=resp.block_size, num_kv_blocks=resp.num_kv_blocks,
+                        **model)
 
 
 # ---- step plans and results -------------------------------------------------------------------

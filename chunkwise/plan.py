@@ -147,19 +147,29 @@ def validate_chunk_geometry(chunk: ScheduledChunk) -> None:
 
 
 @dataclass(frozen=True)
-class ExecutorInfo:
-    """What the executor reports in its handshake (Initialize): the scheduler sizes itself by it."""
+class ModelInfo:
+    """What the executor says about its model in the handshake: executor.proto's ModelInfo, field
+    for field (codec.py converts by this dataclass's fields, and tests/test_codec.py fails when
+    the two differ)."""
 
-    epoch: str
-    block_size: int
-    num_kv_blocks: int
     model_path: str
     architecture: str
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
-    dtype: str
-    device: str
-    attention_backend: str
-    decode_attention: str = ""
-    prefill_attention: str = ""
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    device: str  # "cpu", "cuda:0", ...
+    attention_backend: str  # "torch" | "flashinfer" | "flash-attn" (provisional until Initialize)
+    num_parameters: int
+    decode_attention: str = ""  # torch backend: "paged-inductor" | "sdpa-folded"; else the backend's name
+    prefill_attention: str = ""  # torch backend: "bf16-gemm" | "bf16-gemm-eager-softmax" | "sdpa"; else its name
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecutorInfo(ModelInfo):
+    """The whole handshake answer (Initialize): the model, and the KV cache and epoch the
+    scheduler sizes itself by."""
+
+    epoch: str
+    block_size: int
+    num_kv_blocks: int

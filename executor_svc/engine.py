@@ -30,6 +30,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from chunkwise.plan import (
+    ModelInfo,
     NewRequestData,
     RunningRequestDelta,
     SampledToken,
@@ -70,24 +71,6 @@ def _memory_available() -> int | None:
 
 class PlanError(ValueError):
     """A StepPlan that is inconsistent with itself or with the executor's state."""
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    model_path: str
-    architecture: str
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    dtype: str  # "float32" | "bfloat16" | "float16"
-    device: str  # "cpu", "cuda:0", ...
-    attention_backend: str  # "torch" | "flashinfer" | "flash-attn" (provisional until initialize())
-    num_parameters: int
-    decode_attention: str = ""  # torch backend: "paged-inductor" | "sdpa-folded"; else the backend's name
-    prefill_attention: str = ""  # torch backend: "bf16-gemm" | "bf16-gemm-eager-softmax" | "sdpa"; else its name
-    num_layers: int = 0
-    num_kv_heads: int = 0
-    head_dim: int = 0
 
 
 @dataclass
@@ -192,9 +175,6 @@ class ModelRunner:
             device=str(self.device),
             attention_backend=backend_cls.name,
             num_parameters=self.model.num_parameters(),
-            num_layers=self.spec.num_layers,
-            num_kv_heads=self.spec.num_kv_heads,
-            head_dim=self.spec.head_dim,
         )
         # After num_parameters() above: packing frees the plain weights it counts.
         if self.device.type == "cpu":

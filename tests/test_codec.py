@@ -1,7 +1,11 @@
 """Every field of the plan and the result survives the trip through protobuf bytes."""
 
+import dataclasses
+
 from chunkwise import codec
 from chunkwise.plan import (
+    ExecutorInfo,
+    ModelInfo,
     NewRequestData,
     RunningRequestDelta,
     SampledToken,
@@ -74,16 +78,21 @@ def test_result_roundtrip():
 
 
 def test_handshake_roundtrip_keeps_every_field():
-    from executor_svc.engine import ModelInfo
-    from chunkwise.plan import ExecutorInfo
-
     model = ModelInfo(model_path="/models/m", architecture="LlamaForCausalLM", vocab_size=49152, max_model_len=8192,
                       eos_token_ids=(2, 7), dtype="bfloat16", device="cpu", attention_backend="torch",
-                      num_parameters=135_000_000, decode_attention="paged-inductor")
+                      num_parameters=135_000_000, decode_attention="paged-inductor", prefill_attention="bf16-gemm")
+    # Every field differs from its default, so a field the codec dropped would show.
+    assert all(getattr(model, f.name) != f.default for f in dataclasses.fields(ModelInfo))
     msg = pb.InitializeResponse(executor_epoch="e1", model=codec.model_info_to_proto(model), block_size=16,
                                 num_kv_blocks=321)
     info = codec.executor_info_from_proto(pb.InitializeResponse.FromString(msg.SerializeToString()))
-    assert info == ExecutorInfo(epoch="e1", block_size=16, num_kv_blocks=321, model_path="/models/m",
-                                architecture="LlamaForCausalLM", vocab_size=49152, max_model_len=8192,
-                                eos_token_ids=(2, 7), dtype="bfloat16", device="cpu", attention_backend="torch",
-                                decode_attention="paged-inductor")
+    assert info == ExecutorInfo(epoch="e1", block_size=16, num_kv_blocks=321, **dataclasses.asdict(model))
+
+
+def test_handshake_dataclasses_mirror_the_proto():
+    """ModelInfo and executor.proto's ModelInfo have the same fields, and so have ExecutorInfo and
+    InitializeResponse (the model's fields flattened into it): a field added on one side only
+    fails here, not as a value silently left at its default."""
+    assert {f.name for f in dataclasses.fields(ModelInfo)} == set(pb.ModelInfo.DESCRIPTOR.fields_by_name)
+    response = set(pb.InitializeResponse.DESCRIPTOR.fields_by_name) - {"model", "executor_epoch"} | {"epoch"}
+    assert {f.name for f in dataclasses.fields(ExecutorInfo)} == response | set(pb.ModelInfo.DESCRIPTOR.fields_by_name)

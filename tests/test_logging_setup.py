@@ -48,7 +48,7 @@ def test_an_executor_back_unusable_is_logged_once_then_summarised(caplog):
     now = [0.0]
     usable = ExecutorInfo(epoch="e", block_size=16, num_kv_blocks=64, model_path="m", architecture="a",
                           vocab_size=100, max_model_len=512, eos_token_ids=(1,), dtype="float32",
-                          device="cpu", attention_backend="torch")
+                          device="cpu", attention_backend="torch", num_parameters=0)
     engine = Engine(ServiceConfig(), _Executor(), usable)
     engine._unusable_log._clock = lambda: now[0]
     too_small = dataclasses.replace(usable, num_kv_blocks=2)

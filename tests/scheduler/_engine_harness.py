@@ -61,7 +61,7 @@ async def serve_one(max_tokens: int, **config) -> tuple[RecordingQueue, list[int
                            max_num_batched_tokens=64, stats_interval=0, **config)
     info = ExecutorInfo(epoch="e1", block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, model_path="/nonexistent",
                         architecture="fake", vocab_size=VOCAB_SIZE, max_model_len=256, eos_token_ids=(),
-                        dtype="float32", device="cpu", attention_backend="fake")
+                        dtype="float32", device="cpu", attention_backend="fake", num_parameters=0)
     engine = Engine(config, executor, info)  # type: ignore[arg-type]
     executor.fake = FakeExecutor(NUM_BLOCKS, BLOCK, engine.scheduler)
     engine.start()
