@@ -14,7 +14,11 @@ What is measured, from the scheduler's Prometheus endpoint (no instrumentation o
   (chunkwise:step_duration_seconds_sum): compute plus plan/result (de)serialisation on both sides
   and the loopback transport;
 - the scheduler process's CPU time (user + system, from /proc) per step: what the scheduler's
-  side of a step costs, whatever else shares the cores;
+  side of a step costs, whatever else shares the cores; likewise the executor's, and this
+  process's own (the load generator: the client side of every stream), and from the three the
+  cores they kept busy on average ("cores busy": near the number of cores means the host was
+  saturated, and the executor's idle time is then a share of CPU it lost, not a wait on the
+  scheduler alone). OMP_NUM_THREADS in the environment reaches the executor (recorded in the JSON);
 - the run's wall time, first send to last completion, with every request submitted at once so the
   scheduler always has work (closed loop, all in flight).
 idle = wall - compute: scheduling, the RPC's own cost, detokenising and streaming to clients,
@@ -38,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import resource
 import shlex
 import sys
 import tempfile
@@ -93,9 +98,11 @@ async def run(ns) -> dict:
                     order = list(MODES) if rnd % 2 == 0 else list(reversed(MODES))
                     for mode in order:
                         ms = stacks[mode]
+                        own0 = resource.getrusage(resource.RUSAGE_SELF)
                         res = await lt.run_load(lt.ChunkwiseBackend(ms.address), reqs, cache_salt=f"ov-{rnd}-{w}",
                                                 label=w, warmup=lt.warmup_requests(2, vocab, rnd), probe=ms.step_times,
                                                 keep_itl=False, max_duration=600, request_timeout=600)
+                        own1 = resource.getrusage(resource.RUSAGE_SELF)
                         ov = res["step_overhead"] or {}
                         row = {"model": model_name, "workload": w, "mode": mode, "round": rnd,
                                "duration_s": res["duration_s"], "failed": res["failed"],
@@ -103,8 +110,17 @@ async def run(ns) -> dict:
                                "loadavg_1m": os.getloadavg()[0], **ov}
                         if ov.get("steps"):
                             row["rpc_ms_per_step"] = 1000.0 * (ov["step_rpc_seconds"] - ov["executor_seconds"]) / ov["steps"]
-                            if ov.get("scheduler_cpu_seconds") is not None:
-                                row["scheduler_cpu_ms_per_step"] = 1000.0 * ov["scheduler_cpu_seconds"] / ov["steps"]
+                            # CPU time per step of each process on the host: with all three on two
+                            # cores their sum says how close to saturated the host is.
+                            for who in ("scheduler", "executor"):
+                                if ov.get(f"{who}_cpu_seconds") is not None:
+                                    row[f"{who}_cpu_ms_per_step"] = 1000.0 * ov[f"{who}_cpu_seconds"] / ov["steps"]
+                            # This process is the load generator (the clients of all 32 streams).
+                            client_s = (own1.ru_utime + own1.ru_stime) - (own0.ru_utime + own0.ru_stime)
+                            row["client_cpu_ms_per_step"] = 1000.0 * client_s / ov["steps"]
+                            if ov.get("scheduler_cpu_seconds") is not None and ov.get("executor_cpu_seconds") is not None:
+                                row["cores_busy"] = (ov["scheduler_cpu_seconds"] + ov["executor_cpu_seconds"]
+                                                     + client_s) / res["duration_s"]
                         rows.append(row)
                         print(f"{model_name:13s} {w:14s} {mode:5s} r{rnd}: {res['duration_s']:6.1f} s, "
                               f"{ov.get('steps', 0):5.0f} steps, executor {ov.get('executor_ms_per_step', 0):7.2f} ms/step, "
@@ -117,7 +133,8 @@ async def run(ns) -> dict:
     for r in rows:
         entry = summary.setdefault(f"{r['model']}/{r['workload']}", {}).setdefault(r["mode"], {})
         for f in ("executor_idle_fraction", "rpc_fraction", "idle_ms_per_step", "executor_ms_per_step",
-                  "rpc_ms_per_step", "scheduler_cpu_ms_per_step", "executor_cpu_utilization", "output_throughput",
+                  "rpc_ms_per_step", "scheduler_cpu_ms_per_step", "executor_cpu_ms_per_step", "client_cpu_ms_per_step",
+                  "cores_busy", "executor_cpu_utilization", "output_throughput",
                   "duration_s"):
             entry.setdefault(f, []).append(r.get(f))
     summary = {k: {m: {f: lt.spread(v) for f, v in d.items()} for m, d in modes.items()} for k, modes in summary.items()}
@@ -129,7 +146,7 @@ async def run(ns) -> dict:
         summary[key]["throughput_ratio_async_over_sync"] = lt.spread(ratios)
     return {"schema": "chunkwise.bench.overhead/2", "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "scheduler_args": scheduler,
-            "split_cores": ns.split_cores, "dtype": ns.dtype,
+            "split_cores": ns.split_cores, "dtype": ns.dtype, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "workloads": WORKLOADS, "codec": codec_cost(), "summary": summary, "runs": rows}
 
 
@@ -210,6 +227,12 @@ def main(argv=None) -> int:
                   f"{m['output_throughput']['median']:>8.1f}")
         r = s["throughput_ratio_async_over_sync"]
         print(f"{'':30s} async/sync throughput {r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})")
+        for mode in (m for m in MODES if m in s):
+            cpu = {who: s[mode][f"{who}_cpu_ms_per_step"]["median"] for who in ("executor", "scheduler", "client")}
+            if None not in cpu.values():
+                print(f"{'':30s} {mode} CPU ms/step: executor {cpu['executor']:.2f}, scheduler {cpu['scheduler']:.2f}, "
+                      f"client {cpu['client']:.2f}; cores busy {s[mode]['cores_busy']['median']:.2f} "
+                      f"of {len(os.sched_getaffinity(0))}")
     print("codec, us per step (encode + decode):",
           {k: (round(v["plan_us"]), round(v["result_us"])) for k, v in result["codec"].items()})
     write_json(ns.json, result)
