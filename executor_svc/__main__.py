@@ -9,14 +9,13 @@ import signal
 import sys
 import threading
 
+from chunkwise import startup_heap
 from chunkwise.cliutil import is_loopback
 from chunkwise.limits import READY_EXECUTOR
 from chunkwise.logging_setup import setup_logging
 from chunkwise.model_source import resolve_model
 from executor_svc.compute_loop import ComputeLoop
 from executor_svc.config import ExecutorConfig
-from executor_svc.engine import ModelRunner
-from executor_svc.server import build_server
 
 log = logging.getLogger("chunkwise.executor")
 
@@ -34,6 +33,8 @@ def check_security(config: ExecutorConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before torch is imported (the modules imported above do not import it): see startup_heap.
+    startup_heap.pause_collection()
     setup_logging()
     try:
         parser = argparse.ArgumentParser(prog="python -m executor_svc", description="chunkwise executor")
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             config = dataclasses.replace(config, model=str(resolve_model(config.model)))
             log.info("tensor parallel host %d of %d: ranks meet at %s:%s", config.node_rank, config.nnodes,
                      config.master_addr, config.master_port)
+            startup_heap.freeze_startup_heap("executor (this host's rank launcher)")  # it only waits on them
             return run_node(config)
         token = check_security(config)
         # The runner validates the config again with the resolved model directory.
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"executor_svc: error: {e}", file=sys.stderr)
         return 2
+    from executor_svc.engine import ModelRunner  # torch: after pause_collection
+    from executor_svc.server import build_server
+
     try:
         runner = ModelRunner(config)
     except (ValueError, FileNotFoundError) as e:
@@ -69,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         info.model_path, info.architecture, info.num_parameters, info.dtype, info.device,
         info.attention_backend,
     )
+    startup_heap.freeze_startup_heap("executor")
     # Launchers and tests read this line to learn the port when --port 0 was given.
     print(f"{READY_EXECUTOR} {config.host}:{port}", flush=True)
 

@@ -268,8 +268,10 @@ def run_node(config) -> int:
 
 def worker_main(config, rank: int, size: int, master_addr: str, master_port: int) -> None:
     """Ranks 1..N-1: load the shard, then run what rank 0 broadcasts until it says stop."""
+    from chunkwise import startup_heap
     from chunkwise.logging_setup import setup_logging
 
+    startup_heap.pause_collection()
     from .engine import ModelRunner
 
     _die_with_parent()
@@ -281,6 +283,7 @@ def worker_main(config, rank: int, size: int, master_addr: str, master_port: int
         torch.cuda.set_device(local_device_index(rank, size, config.nnodes))
     group = init_group(rank, size, master_addr, master_port, backend_for(device))
     runner = ModelRunner(config, tp=group)
+    startup_heap.freeze_startup_heap(f"tensor parallel rank {rank}")
     logger.info("tensor parallel rank %d/%d ready", rank, size)
     try:
         while True:

@@ -7,13 +7,11 @@ import logging
 import signal
 import sys
 
+from chunkwise import startup_heap
 from chunkwise.cliutil import is_loopback
 from chunkwise.limits import READY_SCHEDULER
 from chunkwise.logging_setup import setup_logging
 from scheduler_svc.config import ServiceConfig
-from scheduler_svc.engine import Engine
-from scheduler_svc.executor_client import ExecutorClient, ExecutorError
-from scheduler_svc.server import build_server
 
 log = logging.getLogger("chunkwise.scheduler")
 
@@ -26,6 +24,11 @@ def _warn_if_exposed(config: ServiceConfig) -> None:
 
 
 async def serve(config: ServiceConfig) -> int:
+    # gRPC, and torch and transformers with the tokenizer: imported after pause_collection (main).
+    from scheduler_svc.engine import Engine
+    from scheduler_svc.executor_client import ExecutorClient, ExecutorError
+    from scheduler_svc.server import build_server
+
     _warn_if_exposed(config)
     executor = ExecutorClient(
         config.executor, config.token, tls_ca_file=config.executor_tls_ca_file,
@@ -47,6 +50,7 @@ async def serve(config: ServiceConfig) -> int:
     if config.metrics_port is not None:
         metrics_port = engine.metrics.serve(config.metrics_host, config.metrics_port)
         print(f"chunkwise metrics on http://{config.metrics_host}:{metrics_port}/metrics", flush=True)
+    startup_heap.freeze_startup_heap("scheduler")
     print(f"{READY_SCHEDULER} {config.host}:{port}", flush=True)
 
     stop = asyncio.Event()
@@ -71,14 +75,14 @@ async def serve(config: ServiceConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    startup_heap.pause_collection()  # before serve() imports gRPC, torch and transformers
     setup_logging()
     config = ServiceConfig.from_args(argv)
     try:
         import uvloop
-
-        return uvloop.run(serve(config))
     except ImportError:  # uvloop is not available on every platform; asyncio's loop works too
         return asyncio.run(serve(config))
+    return uvloop.run(serve(config))
 
 
 if __name__ == "__main__":
