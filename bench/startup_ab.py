@@ -5,60 +5,43 @@
 
 Each round starts both services of one checkout, then of the other (the order alternates between
 rounds), with this venv's Python run in each checkout's directory (so `python -m executor_svc`
-imports that checkout's code), on the embedded model and with the warm caches the machine has
-(the kernel packages are already built). Times run from the command to the line a service prints
-when it serves; the ratio base / head is paired within a round. For cold starts (the kernels
+imports that checkout's code; chunkwise_tools/serve.py's launchers), on the embedded model and
+with the warm caches the machine has (the kernel packages are already built). Times run from the
+command to a health-checked ready server; the ratio base / head is paired within a round. For cold starts (the kernels
 compiled) see bench/startup.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from benchutil import spread, write_json
 
-from chunkwise.limits import READY_EXECUTOR, READY_SCHEDULER
 from chunkwise.model_source import resolve_model
+from chunkwise_tools.serve import start_executor, start_scheduler
 
 SERVICES = ("executor", "scheduler")
 
 
-def wait_for(proc: subprocess.Popen, ready: str) -> str:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith(ready):
-            return line.split()[-1]  # the address
-    raise RuntimeError(f"{proc.args[2]} exited ({proc.wait()}) before it was ready")
-
-
 def start_stack(tree: Path, model: str) -> dict[str, float]:
-    """Seconds to ready of each service started from `tree`; both stopped again."""
-    env = dict(os.environ, CHUNKWISE_EXECUTOR_TOKEN=secrets.token_hex(12))
-    common = dict(cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    procs = []
+    """Seconds to ready (health-checked) of each service started from `tree`; both stopped again."""
+    token, procs = secrets.token_hex(12), []
     try:
         t0 = time.perf_counter()
-        procs.append(subprocess.Popen([sys.executable, "-m", "executor_svc", "--model", model, "--host", "127.0.0.1",
-                                       "--port", "0"], **common))
-        address = wait_for(procs[-1], READY_EXECUTOR)
+        procs.append(start_executor(model, token, cwd=tree))
         t1 = time.perf_counter()
-        procs.append(subprocess.Popen([sys.executable, "-m", "scheduler_svc", "--executor", address,
-                                       "--host", "127.0.0.1", "--port", "0"], **common))
-        wait_for(procs[-1], READY_SCHEDULER)
+        procs.append(start_scheduler(procs[0].address, token, cwd=tree))
         return {"executor": t1 - t0, "scheduler": time.perf_counter() - t1}
     finally:
         for p in reversed(procs):
-            p.send_signal(signal.SIGTERM)
+            p.terminate()
         for p in reversed(procs):
-            p.wait(30)
+            p.wait_or_kill(30)
 
 
 def main(argv=None) -> int:

@@ -101,9 +101,10 @@ def _parent_death_signal():
 
 
 def launch(name: str, cmd: list[str], ready: str, env: dict, timeout: float, echo=None,
-           die_with_parent: bool = False) -> Process:
+           die_with_parent: bool = False, cwd: str | Path | None = None) -> Process:
+    """`cmd` started (in `cwd`: `python -m` imports the code found there), once it printed `ready`."""
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
         start_new_session=True,  # Ctrl-C in the terminal goes to us; we stop the children
         preexec_fn=_parent_death_signal() if die_with_parent else None,
     )
@@ -164,12 +165,12 @@ class Stack:
 
 
 def start_executor(model_dir: str | Path, token: str, args: list[str] = (), *, env=None, timeout=300.0, echo=None,
-                   die_with_parent: bool = False) -> Process:
+                   die_with_parent: bool = False, cwd: str | Path | None = None) -> Process:
     env = dict(os.environ if env is None else env)
     env["CHUNKWISE_EXECUTOR_TOKEN"] = token  # through the environment: argv is visible to every user
     cmd = [sys.executable, "-m", "executor_svc", "--model", str(model_dir), "--host", "127.0.0.1",
            "--port", "0", *args]
-    proc = launch("executor", cmd, READY_EXECUTOR, env, timeout, echo, die_with_parent)
+    proc = launch("executor", cmd, READY_EXECUTOR, env, timeout, echo, die_with_parent, cwd)
     try:
         wait_healthy(proc.address, "chunkwise.v1.Executor", timeout)
     except BaseException:
@@ -179,12 +180,13 @@ def start_executor(model_dir: str | Path, token: str, args: list[str] = (), *, e
 
 
 def start_scheduler(executor_address: str, token: str, args: list[str] = (), *, host="127.0.0.1", port=0,
-                    env=None, timeout=300.0, echo=None, die_with_parent: bool = False) -> Process:
+                    env=None, timeout=300.0, echo=None, die_with_parent: bool = False,
+                    cwd: str | Path | None = None) -> Process:
     env = dict(os.environ if env is None else env)
     env["CHUNKWISE_EXECUTOR_TOKEN"] = token
     cmd = [sys.executable, "-m", "scheduler_svc", "--executor", executor_address,
            "--host", host, "--port", str(port), *args]
-    proc = launch("scheduler", cmd, READY_SCHEDULER, env, timeout, echo, die_with_parent)
+    proc = launch("scheduler", cmd, READY_SCHEDULER, env, timeout, echo, die_with_parent, cwd)
     try:
         wait_healthy(proc.address, "chunkwise.v1.Generation", timeout)
     except BaseException:

@@ -16,7 +16,7 @@ from chunkwise.v1 import executor_pb2 as pb
 from chunkwise.v1 import executor_pb2_grpc as pb_grpc
 from executor_svc.compute_loop import ComputeLoop, ComputeLoopClosed
 from executor_svc.server import build_server
-from reliability_helpers import call_code
+from reliability_helpers import call_code, wait_until
 
 from .helpers import ServedComputeLoop as Served
 from .helpers import StepNotRun, StepStreamCall, blind_decode, make_runner, prefill
@@ -155,10 +155,7 @@ def test_a_plan_whose_caller_gave_up_while_queued_is_not_run(tiny_llama_path):
             steps.step(prefill(1))
             steps.send(blind_decode(2, 10))
             steps.send(blind_decode(3, 11))
-            deadline = time.monotonic() + 10
-            while 2 not in executed:  # step 2 is running (1 s), step 3 is queued behind it
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            wait_until(lambda: 2 in executed, 10, "step 2 to start", 0.01)  # it runs 1 s; step 3 is queued
             steps.cancel()
             with pytest.raises(grpc.RpcError) as e:
                 steps.result()
