@@ -38,9 +38,13 @@ log = logging.getLogger("chunkwise.executor")
 MAX_BLOCK_SIZE = 1024
 
 
-def _wait_limit(context) -> float:
-    """Seconds until the call's deadline (gRPC reports a huge number when it has none)."""
-    return min(context.time_remaining(), threading.TIMEOUT_MAX)
+def _answer_within(context) -> float:
+    """Seconds a handler may wait before it answers a call that has a deadline: a fifth of the time
+    left (at most 250 ms) is kept back so that the answer, with its reason, reaches the caller
+    before the caller's own timer ends the call with a bare "Deadline Exceeded". gRPC reports a
+    huge number for a call without a deadline."""
+    remaining = max(0.0, context.time_remaining())
+    return min(remaining - min(0.25, remaining / 5), threading.TIMEOUT_MAX)
 
 
 def _still_waiting(context) -> bool:
@@ -49,7 +53,33 @@ def _still_waiting(context) -> bool:
 
 
 class _HandshakeAbandoned(Exception):
-    """A handshake whose caller was gone when its turn on the compute loop came: not run."""
+    """A handshake whose caller was gone, or told it had waited too long, before its turn on the
+    compute loop came: not run."""
+
+
+class _HandshakeTurn:
+    """Decides, once, whether a queued handshake runs: the compute thread starts it only if the
+    caller still waits, and the handler gives up only if it has not started. Whichever comes
+    first wins under one lock, so a caller told "not run" never finds a new epoch behind it."""
+
+    def __init__(self, context):
+        self._context = context
+        self._lock = threading.Lock()
+        self._runs: bool | None = None  # None until decided
+
+    def start(self) -> bool:
+        """On the compute thread, in the handshake's turn: True when it is to run."""
+        with self._lock:
+            if self._runs is None:
+                self._runs = _still_waiting(self._context)
+            return self._runs
+
+    def give_up(self) -> bool:
+        """From the handler: True when the handshake will not run (it had not started)."""
+        with self._lock:
+            if self._runs is None:
+                self._runs = False
+            return not self._runs
 
 
 def _put_done(finished: queue.SimpleQueue, step_id: int, done: Future) -> None:
@@ -90,19 +120,23 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         # while a long step runs the scheduler retries every second or so, and handlers that
         # waited past their callers would fill the RPC pool (GetEpoch could not answer) and then
         # each start an epoch that nobody adopts once the step ends.
-        if not self._handshake.acquire(timeout=_wait_limit(context)):
+        if not self._handshake.acquire(timeout=_answer_within(context)):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "another handshake is waiting for the running step")
         try:
             if not _still_waiting(context):
                 # The caller gave up while a long step ran (it has retried since): starting an
                 # epoch nobody will use would only invalidate the one it adopts.
                 context.abort(grpc.StatusCode.CANCELLED, "the caller went away before the handshake ran")
-            # Checked again on the compute thread, just before it runs: the caller may give up
-            # while the handshake waits there, a moment before this handler stops waiting for it.
-            handshake = self._submit(self._initialize, bs, functools.partial(_still_waiting, context))
+            turn = _HandshakeTurn(context)
+            handshake = self._submit(self._initialize, bs, turn)
             try:
-                num_blocks = handshake.result(timeout=_wait_limit(context))
-            except (futures.TimeoutError, _HandshakeAbandoned):
+                try:
+                    num_blocks = handshake.result(timeout=_answer_within(context))
+                except futures.TimeoutError:
+                    if turn.give_up():
+                        raise _HandshakeAbandoned() from None
+                    num_blocks = handshake.result()  # it started as the wait ended: answer when done
+            except _HandshakeAbandoned:
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the handshake waited for the running step past its deadline")
             except ValueError as e:  # e.g. a block size the attention backend cannot page with
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -116,9 +150,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         finally:
             self._handshake.release()
 
-    def _initialize(self, block_size: int, still_wanted: Callable[[], bool]) -> int:
+    def _initialize(self, block_size: int, turn: _HandshakeTurn) -> int:
         """On the compute thread, after every step submitted before it."""
-        if not still_wanted():
+        if not turn.start():
             raise _HandshakeAbandoned()
         num_blocks = self._runner.initialize(block_size)
         # Every handshake starts a new epoch: the runner dropped all request state, so plans
