@@ -118,7 +118,8 @@ def test_deadline_of_a_waiting_request_dequeues_it(small_queue, reference):
     p_run, p_wait = prompts(3, 2)
     with dep.client(timeout=60) as c:
         before = wait_idle(c)
-        stream = c.stream(prompt_token_ids=p_run, max_tokens=20, temperature=0)
+        # 200 tokens (no EOS before), so that it still holds the only sequence slot at the pause.
+        stream = c.stream(prompt_token_ids=p_run, max_tokens=200, temperature=0)
         first = next(stream)
         with paused(dep.executor):
             late = Background(dep.address, p_wait, max_tokens=20, temperature=0, timeout=3)
@@ -126,7 +127,7 @@ def test_deadline_of_a_waiting_request_dequeues_it(small_queue, reference):
             assert late.error is not None and late.error.code == grpc.StatusCode.DEADLINE_EXCEEDED
             wait_until(lambda: c.stats()["num_waiting"] == 0, 30, "the expired request to leave the queue")
         rest = [t for chunk in stream for t in chunk.token_ids]
-        reference.check(p_run, 20, first.token_ids + rest)
+        reference.check(p_run, 200, first.token_ids + rest)
         st = wait_idle(c)
         # It had been queued (it counts as aborted, not as never admitted).
         assert st["requests_finished"]["abort"] == before["requests_finished"]["abort"] + 1
