@@ -1,5 +1,5 @@
 # The two commands of the README, and a few conveniences.
-.PHONY: demo serve test test-quick lint proto bench
+.PHONY: demo serve test test-quick test-loaded lint proto bench
 
 demo:          ## set up, start the stack on the embedded default model, send demo requests, stop
 	scripts/setup.sh
@@ -25,6 +25,9 @@ lint:          ## ruff and mypy (both configured in pyproject.toml)
 
 test-quick:    ## the unit tier: no service processes, no SmolLM2
 	.venv/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not smollm and not e2e"
+
+test-loaded:   ## the whole suite beside LOAD busy processes (default 2): races show here before CI
+	scripts/test-under-load.sh $(or $(LOAD),2)
 
 proto:         ## regenerate chunkwise/v1 from proto/
 	.venv/bin/python scripts/gen_proto.py
