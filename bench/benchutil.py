@@ -7,13 +7,16 @@ import json
 import os
 import platform
 import statistics
+import time
 from pathlib import Path
 
 
 def machine() -> dict:
     """What ran it: CPU model and family (this workplace's machines change between sessions: a
-    Zen 4 has half a Zen 5's bf16 matmul rate), the flags that pick kernels, cores, load."""
-    info: dict = {"machine": platform.machine(), "cores": os.cpu_count(), "loadavg": os.getloadavg()}
+    Zen 4 has half a Zen 5's bf16 matmul rate), the flags that pick kernels, cores, load, and the
+    host's speed when the result was written (`host_speed_ms`)."""
+    info: dict = {"machine": platform.machine(), "cores": os.cpu_count(), "loadavg": os.getloadavg(),
+                  "host_speed_ms": host_speed_ms()}
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -24,6 +27,21 @@ def machine() -> dict:
     info.update(model_name=fields.get("model name"), cpu_family=fields.get("cpu family"), model=fields.get("model"),
                 flags=sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"}))
     return info
+
+
+def host_speed_ms(repeats: int = 15) -> float:
+    """The fastest of `repeats` timings of one fixed single-threaded Python loop, in ms: a yardstick
+    for the host itself. This workplace's VMs report no steal time, yet the same code has run 2x
+    slower on the same CPU model a few hours apart; a run's absolute numbers compare with another
+    run's only where this matches (paired ratios within a run do not need it)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(300_000):
+            total += i * i % 7
+        best = min(best, time.perf_counter() - t0)
+    return round(best * 1e3, 2)
 
 
 def spread(values: list[float]) -> dict:

@@ -49,7 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchutil import write_json
+from benchutil import host_speed_ms, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 # The tiny random checkpoint is made by the tests' own fixture code.
@@ -107,7 +107,7 @@ async def run(ns) -> dict:
                         row = {"model": model_name, "workload": w, "mode": mode, "round": rnd,
                                "duration_s": res["duration_s"], "failed": res["failed"],
                                "output_throughput": res["output_throughput"],
-                               "loadavg_1m": os.getloadavg()[0], **ov}
+                               "loadavg_1m": os.getloadavg()[0], "host_speed_ms_after": host_speed_ms(), **ov}
                         if ov.get("steps"):
                             row["rpc_ms_per_step"] = 1000.0 * (ov["step_rpc_seconds"] - ov["executor_seconds"]) / ov["steps"]
                             # CPU time per step of each process on the host: with all three on two

@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchutil import write_json
+from benchutil import host_speed_ms, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -343,6 +343,7 @@ async def main_async(ns) -> dict:
                     "total_token_throughput": res["total_token_throughput"],
                     "output_throughput": res["output_throughput"], "completed": res["num_requests"], "failed": 0}
                 flat["loadavg_1m_after"] = res["loadavg_after"][0]
+                flat["host_speed_ms_after"] = host_speed_ms()  # the host's own speed (benchutil)
                 cpu = res.get("server_cpu_seconds")
                 if cpu:
                     tokens = res["total_input_tokens"] + res["total_output_tokens"]
