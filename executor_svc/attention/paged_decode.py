@@ -22,8 +22,10 @@ value is read once, straight from its block, and never materialised.
   and says why when it cannot run (no C++ compiler, --enforce-eager): the caller then uses the
   folded-query SDPA path instead.
 
-Softmax runs in float32 whatever the cache dtype; padded keys are masked to -inf and their
-values to zero, so stale data in a slot the request does not own (even NaN) cannot leak in.
+Softmax runs in float32 whatever the cache dtype. A row's padded keys (past its own context)
+are masked to -inf, and `decode_slots` points them at the row's own last key: a padded key's
+weight is exactly 0 and its value one this request wrote, so stale data in a slot the request
+does not own (even NaN) is never read, and the values need no mask of their own.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from chunkwise.plan import cdiv
 
 from . import aot_package
 
@@ -58,9 +59,10 @@ WARM_UP_SLOTS = 256
 # (a compare and branch in the innermost loop; 10% of the kernel in fp32, bench/RESULTS.md).
 # `PagedDecodeKernel.check_slots` checks them all once per step instead, before any layer runs.
 COMPILE_OPTIONS = {"cpp.dynamic_threads": True, "assert_indirect_indexing": False}
-# Floats in one SIMD vector of this CPU, as inductor vectorizes float32 (AVX-512: 16, AVX2: 8).
-# The package is per CPU already (its key has the ISA), so the width can follow the CPU.
-VALUE_PIECE = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+# Bytes in one SIMD register of this CPU (AVX-512: 64, AVX2: 32). The package is per CPU already
+# (its key has the ISA), so the width can follow the CPU. The values' sum goes in pieces of one
+# register's worth of cache elements (value_piece).
+VECTOR_BYTES = 64 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 32
 # Part of the package's cache key: bump it when what is exported changes in a way the key's
 # other parts (the functions' source, the options, torch) do not show.
 PACKAGE_FORMAT = 2
@@ -91,20 +93,27 @@ def group_by_length(lens: list[int], fill: float = DECODE_GROUP_FILL,
     return groups
 
 
+def value_piece(dtype: torch.dtype) -> int:
+    """Cache elements per piece of the values' sum: one SIMD register's worth as stored (bf16 on
+    AVX-512: 32), so that each piece is one full-width load. Pieces of a register's worth of
+    *floats* (16) made every bf16 load a masked half-register one: the kernel 1.2-1.6x slower
+    (bench/RESULTS.md section 2)."""
+    return VECTOR_BYTES // dtype.itemsize
+
+
 def decode_slots(block_table: torch.Tensor, lens: list[int], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Slot ids [B', L] int64 and key counts [B'] int64 for single-query rows with contexts
-    `lens`, whose block tables are the rows of `block_table` [B, nb]. B' = max(B, 2) and L =
-    max(max(lens), 2). Padding rows attend to one key, slot 0 (any valid index will do: their
-    output is discarded)."""
+    `lens`, whose block tables are the rows of `block_table` [B, >= cdiv(max(lens), block_size)].
+    B' = max(B, 2) and L = max(max(lens), 2). A row's positions past its own context (padding to
+    L) repeat the slot of its last key, so every slot a row names is one of its own: the kernel
+    masks those keys' scores and never needs to mask their values. Padding rows attend to one
+    key, slot 0 (any valid index will do: their output is discarded)."""
     device = block_table.device
     b = len(lens)
     width = max(max(lens), MIN_PADDED)
-    nb = cdiv(width, block_size)
-    if block_table.shape[1] < nb:  # the padded key range may need one more (masked) block column
-        block_table = torch.nn.functional.pad(block_table, (0, nb - block_table.shape[1]))
-    pos = torch.arange(width, device=device)
-    slots = block_table[:, pos // block_size] * block_size + pos % block_size
     lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
+    pos = torch.minimum(torch.arange(width, device=device)[None, :], lens_t[:, None] - 1)  # [B, L]
+    slots = block_table.gather(1, pos // block_size) * block_size + pos % block_size
     if b < MIN_PADDED:
         pad = MIN_PADDED - b
         slots = torch.cat([slots, slots.new_zeros(pad, width)])
@@ -118,7 +127,9 @@ def paged_decode_reference(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.
 
     q [B, H, D]; k_flat, v_flat [num_slots, KVH, D] (a layer's cache, blocks flattened);
     slots [B, L] int64; lens [B] int64. Returns [B, H, D] in q's dtype. The query heads of one
-    KV head are its consecutive H / KVH heads (the GQA convention)."""
+    KV head are its consecutive H / KVH heads (the GQA convention). Keys at positions >= lens[b]
+    get no weight, but their values are read: their slots must hold finite values, as the
+    row's own slots from decode_slots do."""
     b, h, d = q.shape
     kvh = k_flat.shape[1]
     length = slots.shape[1]
@@ -138,18 +149,21 @@ def paged_decode_reference(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.
     scores = scores.masked_fill(~valid, float("-inf"))
     weights = torch.exp(scores - scores.amax(1, keepdim=True))
     denom = weights.sum(1)  # [B, KVH, G]
-    values = F.embedding(slots, v_flat.flatten(1)).float().view(b, length, kvh, d)
-    values = torch.where(valid, values, 0.0).view(b, length, kvh, 1, d)
-    # The weighted sum of the values in pieces of the head dimension, one SIMD vector each.
-    # Compiled, a sum over the keys gets one accumulator per output vector and a pass over the
-    # keys of its own: over the whole head dimension that was a pass over a row's values per
-    # query head and vector (24 for SmolLM2's heads on AVX2), each waiting on its one
-    # accumulator. The pieces are sibling sums over the same keys, which inductor fuses into one
-    # pass with an accumulator each (3 passes): the kernel 1.25x faster in float32, 1.05x in
-    # bfloat16 (bench/paged_kernel_ab.py, bench/RESULTS.md section 2). Each output is the same sum
-    # in the same order as before: the two builds' outputs are bit for bit equal.
+    # No mask on the values: a padded key's weight is exp(-inf) = 0, and its slot is the row's
+    # own last key (decode_slots), so 0 x a value this request wrote adds exactly 0. (A mask
+    # here cost a compare and a blend per value vector: the fp32 kernel ~1.1x slower.)
+    values = F.embedding(slots, v_flat.flatten(1)).float().view(b, length, kvh, 1, d)
+    # The weighted sum of the values in pieces of the head dimension, one SIMD register of
+    # cache elements each (value_piece). Compiled, a sum over the keys gets one accumulator per
+    # output vector and a pass over the keys of its own: over the whole head dimension that was
+    # a pass over a row's values per query head and vector (24 for SmolLM2's heads on AVX2),
+    # each waiting on its one accumulator. The pieces are sibling sums over the same keys, which
+    # inductor fuses into one pass with an accumulator each (3 passes): the kernel 1.25x faster
+    # in float32 (bench/paged_kernel_ab.py, bench/RESULTS.md section 2). Each output is the
+    # same sum in the same order whatever the pieces: the builds' outputs are bit for bit equal.
     weighted = weights.unsqueeze(-1)
-    out = torch.cat([(weighted * part).sum(1) for part in values.split(VALUE_PIECE, dim=-1)], -1)
+    pieces = values.split(value_piece(v_flat.dtype), dim=-1)
+    out = torch.cat([(weighted * part).sum(1) for part in pieces], -1)
     out = out / denom.unsqueeze(-1)  # [B, KVH, G, D]
     return out.reshape(b, h, d).to(q.dtype)
 
@@ -235,7 +249,7 @@ def package_path(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.
     options, torch and the CPU: aot_package.package_path)."""
     key = {
         "format": PACKAGE_FORMAT, "source": inspect.getsource(paged_decode_reference),
-        "export": inspect.getsource(_ExportedKernel), "options": COMPILE_OPTIONS, "value_piece": VALUE_PIECE,
+        "export": inspect.getsource(_ExportedKernel), "options": COMPILE_OPTIONS, "value_piece": value_piece(dtype),
         "geometry": [num_heads, num_kv_heads, head_dim, str(dtype)],
     }
     prefix = f"{PACKAGE_KIND}_{str(dtype).removeprefix('torch.')}_{num_heads}x{num_kv_heads}x{head_dim}"

@@ -23,17 +23,18 @@ from executor_svc.attention import (
 )
 from executor_svc.attention.paged_decode import (
     COMPILE_OPTIONS,
-    VALUE_PIECE,
+    VECTOR_BYTES,
     PagedDecodeKernel,
     decode_slots,
     group_by_length,
     package_path,
     paged_decode_reference,
+    value_piece,
 )
 from executor_svc.attention.prefill_softmax import PrefillSoftmaxKernel, prefill_softmax_reference
 from executor_svc.kv_cache import KVCache, KVCacheShape
 
-# DIM spans several of the decode kernel's value pieces on AVX2 (8 floats) and AVX-512 (16) alike;
+# DIM spans several of the decode kernel's float32 value pieces on AVX2 (8) and AVX-512 (16) alike;
 # 3 query heads a KV head, so that the kernel's fused loops over the query heads (3 sums) and over
 # the value pieces (2 or 4) can be told apart in its C++.
 HEADS, KV_HEADS, DIM = 6, 2, 32
@@ -244,12 +245,21 @@ def _jit_compiled_cpp(options: dict) -> str:
 
 
 def test_paged_decode_sums_the_values_of_all_pieces_in_one_pass():
-    # The values' weighted sum comes in pieces one SIMD vector wide (VALUE_PIECE floats), so that
-    # the compiler makes one loop over the keys with an accumulator per piece, not a loop each.
+    # The values' weighted sum comes in pieces one SIMD register wide (value_piece), so that the
+    # compiler makes one loop over the keys with an accumulator per piece, not a loop each.
     code = paged_kernel().generated_cpp()
-    pieces = -(-DIM // VALUE_PIECE)
+    pieces = -(-DIM // value_piece(torch.float32))
     assert pieces >= 2, "the test's head dim must span several pieces"
     assert re.search(_fused_sums(pieces), code), code
+
+
+def test_paged_decode_loads_bf16_keys_and_values_a_full_register_at_a_time():
+    # A value piece of a register's worth of floats would load half a register of bf16 values
+    # per load, each a masked partial load (the kernel 1.2-1.6x slower, bench/RESULTS.md).
+    code = paged_kernel(torch.bfloat16).generated_cpp()
+    counts = re.findall(r"Vectorized<at::BFloat16>::loadu\([^;]*?static_cast<int64_t>\((\d+)L?\)\);", code)
+    assert len(counts) >= 2, code  # the keys' loads and the values'
+    assert set(counts) == {str(VECTOR_BYTES // 2)}, counts
 
 
 def _fused_sums(n: int) -> str:
@@ -263,7 +273,7 @@ def test_paged_decode_scores_all_query_heads_of_a_kv_head_in_one_pass():
     # one loop over a key's head dimension with an accumulator per query head, each key loaded
     # (and in bf16 converted) once for all of them, not once per query head.
     group = HEADS // KV_HEADS
-    assert group != -(-DIM // VALUE_PIECE), "the two fused loops must differ in their sums"
+    assert group != -(-DIM // value_piece(torch.float32)), "the two fused loops must differ in their sums"
     for dtype in (torch.float32, torch.bfloat16):
         assert re.search(_fused_sums(group), paged_kernel(dtype).generated_cpp())
 
@@ -425,6 +435,24 @@ def test_group_by_length_partitions_rows_into_groups_of_similar_length(lens, fil
             assert shortest >= fill * longest
         if n > 0:  # a group starts only where the previous one could not take its first row
             assert lens[g[0]] < fill * lens[groups[n - 1][0]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 70), min_size=1, max_size=9), st.sampled_from([1, 4, 16]), st.integers(0, 2**16))
+def test_decode_slots_name_only_the_rows_own_keys(lens, block_size, seed):
+    # The kernel does not mask the values of padded keys (their weight is 0): that is safe only
+    # because every slot a row names, padding included, is one of its own keys' slots.
+    g = torch.Generator().manual_seed(seed)
+    width = -(-max(lens) // block_size)
+    table = torch.randperm(len(lens) * width + 5, generator=g)[: len(lens) * width].view(len(lens), width)
+    slots, lens_t = decode_slots(table, lens, block_size)
+    assert slots.shape == (max(len(lens), 2), max(max(lens), 2)) and lens_t.shape == (slots.shape[0],)
+    for b, n in enumerate(lens):
+        own = [int(table[b, p // block_size]) * block_size + p % block_size for p in range(n)]
+        assert slots[b, :n].tolist() == own and lens_t[b] == n
+        assert set(slots[b, n:].tolist()) <= {own[-1]}
+    for b in range(len(lens), slots.shape[0]):  # padding rows: one key, slot 0; their output is dropped
+        assert lens_t[b] == 1 and slots[b, 0] == 0
 
 
 def test_select_backend_on_cpu():
