@@ -83,6 +83,7 @@ def time_passes(fn, repeats: int) -> float:
 def chunkwise_round(dtype_name: str, repeats: int, kernels: dict) -> dict[str, dict[str, float]]:
     from executor_svc.attention import BatchLayout, StepAttention, TorchAttentionBackend
     from executor_svc.attention.paged_decode import PagedDecodeKernel
+    from executor_svc.attention.prefill_softmax import PrefillSoftmaxKernel
     from executor_svc.config import cpu_bf16_flags
     from executor_svc.kv_cache import KVCache, KVCacheShape
 
@@ -90,11 +91,18 @@ def chunkwise_round(dtype_name: str, repeats: int, kernels: dict) -> dict[str, d
     if dtype not in kernels:
         kernels[dtype] = PagedDecodeKernel(H, KVH, D, dtype, torch.device("cpu"), enforce_eager=False)
         assert kernels[dtype].ready, kernels[dtype].reason
-    # The default column as the executor builds it: bf16 prefill as GEMMs where the CPU has
-    # native bf16 (executor_svc/attention/torch_backend.py); the eager column keeps SDPA.
+    # The default column as the executor builds it (executor_svc/engine.py): bf16 prefill as
+    # GEMMs where the CPU has native bf16, with the compiled softmax between them; the eager
+    # column keeps SDPA.
     bf16_gemm = dtype == torch.bfloat16 and bool(cpu_bf16_flags())
+    softmax = None
+    if bf16_gemm:
+        if "prefill_softmax" not in kernels:
+            kernels["prefill_softmax"] = PrefillSoftmaxKernel(torch.device("cpu"), enforce_eager=False)
+            assert kernels["prefill_softmax"].ready, kernels["prefill_softmax"].reason
+        softmax = kernels["prefill_softmax"]
     backends = {"paged-inductor": TorchAttentionBackend(H, KVH, D, decode_kernel=kernels[dtype],
-                                                        prefill_bf16_gemm=bf16_gemm),
+                                                        prefill_bf16_gemm=bf16_gemm, prefill_softmax=softmax),
                 "sdpa-folded": TorchAttentionBackend(H, KVH, D)}
     out: dict[str, dict[str, float]] = {}
     for name, (qlens, ctxs) in cases().items():
