@@ -1,7 +1,10 @@
 """The softmax between the two GEMMs of the bf16 prefill path, compiled.
 
-The GEMM path (torch_backend.py, PREFILL_GEMM_PIECE_ROWS) takes a piece's float32 scores
-[rows, keys] from one GEMM and needs exp(scores - row max) and each row's sum before the second.
+The GEMM path (torch_backend.py, PREFILL_GEMM_PIECE_ROWS) takes a piece's float32 products
+q k^T [rows, keys] from one GEMM and needs the causal mask, the scale, exp(scores - row max) and
+each row's sum before the second. The mask is each row's count of visible keys (its keys are a
+prefix of the piece's), applied here, inside the softmax's own passes: an additive -inf mask added
+by the GEMM cost a copy of a piece-sized bias into every GEMM's output (bench/RESULTS.md section 2).
 In eager torch that is four passes over the scores (max, subtract, exp, sum), each a separate
 kernel; on SmolLM2's chunk shapes they took ~40% of a piece on a Zen 5, as much as either GEMM.
 Inductor fuses them into two passes (the max; then exp, store and sum) with its vectorised exp:
@@ -37,16 +40,25 @@ COMPILE_OPTIONS = {"cpp.dynamic_threads": True}
 PACKAGE_KIND = "prefill_softmax"
 
 
-def prefill_softmax_reference(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores [rows, keys] float32, each row with at least one finite score (masked keys are
-    -inf). Returns exp(scores - each row's max) [rows, keys] and their row sums [rows, 1]."""
-    weights = (scores - scores.amax(-1, keepdim=True)).exp_()  # in place on the difference, not on `scores`
+def prefill_softmax_reference(products: torch.Tensor, visible: torch.Tensor,
+                              scale: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """products [rows, keys] float32 (q k^T); visible [rows] int64, how many of the keys (a
+    prefix, at least 1) each row sees. With scores = scale x products over the visible keys and
+    -inf elsewhere, returns exp(scores - each row's max) [rows, keys] (exactly 0 on masked keys)
+    and their row sums [rows, 1]."""
+    masked = torch.arange(products.shape[1], device=products.device)[None, :] >= visible[:, None]
+    scores = (products * scale).masked_fill_(masked, float("-inf"))
+    weights = (scores - scores.amax(-1, keepdim=True)).exp_()
     return weights, weights.sum(-1, keepdim=True)
 
 
 class _ExportedSoftmax(torch.nn.Module):
-    def forward(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return prefill_softmax_reference(scores)
+    """The reference as a module; the scale is an input (a 0-d float32 tensor), so one package
+    serves every model."""
+
+    def forward(self, products: torch.Tensor, visible: torch.Tensor,
+                scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return prefill_softmax_reference(products, visible, scale)
 
 
 def package_path(cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -58,8 +70,11 @@ def package_path(cache_dir: str | os.PathLike[str] | None = None) -> Path:
 def _build(path: Path) -> None:
     from torch.export import Dim, export
 
-    dynamic = ({0: Dim("rows", min=MIN_SIZE), 1: Dim("keys", min=MIN_SIZE)},)
-    program = export(_ExportedSoftmax(), (torch.randn(EXAMPLE_ROWS, EXAMPLE_KEYS),), dynamic_shapes=dynamic)
+    rows = Dim("rows", min=MIN_SIZE)
+    dynamic = ({0: rows, 1: Dim("keys", min=MIN_SIZE)}, {0: rows}, None)
+    example = (torch.randn(EXAMPLE_ROWS, EXAMPLE_KEYS), torch.randint(1, EXAMPLE_KEYS + 1, (EXAMPLE_ROWS,)),
+               torch.tensor(0.125))
+    program = export(_ExportedSoftmax(), example, dynamic_shapes=dynamic)
     aot_package.compile_to_package(program, path, COMPILE_OPTIONS)
 
 
@@ -70,6 +85,7 @@ class PrefillSoftmaxKernel:
                  cache_dir: str | os.PathLike[str] | None = None):
         self.ready = False
         self.package: Path | None = None
+        self._scales: dict[float, torch.Tensor] = {}
         why = aot_package.not_compiled_reason(device, enforce_eager)
         if why is not None:
             self.reason = f"{why}: eager softmax"
@@ -89,19 +105,23 @@ class PrefillSoftmaxKernel:
         self.reason = f"compiled softmax ({how} in {time.perf_counter() - t0:.1f} s)"
 
     def _warm_up(self) -> None:
-        # Two shapes, the smallest and a typical one, with masked (-inf) keys as the path has
-        # them, each checked against the reference before the server reports ready.
+        # Two shapes, the smallest and a typical one, with masked keys as the path has them,
+        # each checked against the reference before the server reports ready.
         g = torch.Generator().manual_seed(0)
         with torch.inference_mode():
             for rows, keys in ((MIN_SIZE, MIN_SIZE), (EXAMPLE_ROWS // 3, EXAMPLE_KEYS + 7)):
-                scores = torch.randn(rows, keys, generator=g) * 4
-                scores[: rows // 2, keys // 2 + 1:] = float("-inf")
-                got, want = self(scores), prefill_softmax_reference(scores)
+                products = torch.randn(rows, keys, generator=g) * 30
+                visible = torch.randint(1, keys + 1, (rows,), generator=g)
+                got, want = self(products, visible, 0.125), prefill_softmax_reference(products, visible, 0.125)
                 for a, b in zip(got, want):
                     if not torch.allclose(a, b, atol=1e-6, rtol=1e-5):
                         raise RuntimeError("the compiled softmax disagrees with the reference on the warm-up batch")
 
-    def __call__(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """As prefill_softmax_reference, for scores [rows >= 2, keys >= 2] float32, contiguous."""
-        weights, sums = self._runner.run([scores])
+    def __call__(self, products: torch.Tensor, visible: torch.Tensor,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """As prefill_softmax_reference, for products [rows >= 2, keys >= 2] float32, contiguous."""
+        scale_t = self._scales.get(scale)
+        if scale_t is None:
+            scale_t = self._scales.setdefault(scale, torch.tensor(scale, dtype=torch.float32))
+        weights, sums = self._runner.run([products, visible, scale_t])
         return weights, sums

@@ -87,9 +87,9 @@ class _Piece:
     # mask on a 461 x 637 chunk (bench/RESULTS.md).
     mask: torch.Tensor | None
     causal: bool  # the rows are exactly positions 0..num_keys-1 (plain causal, no mask)
-    # The GEMM path's additive mask [1, G * rows, num_keys] float32 (0 or -inf), the rows of each
-    # KV head's G query heads stacked; made at the first layer.
-    gemm_bias: torch.Tensor | None = None
+    # The GEMM path's mask: how many keys each of its [KVH x G x rows] folded rows sees (int64;
+    # each row's keys are a prefix of the piece's), made at the first layer.
+    gemm_visible: torch.Tensor | None = None
 
 
 @dataclass
@@ -255,23 +255,25 @@ class TorchAttentionBackend(AttentionBackend):
     def _gemm_piece(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p: _Piece,
                     out: torch.Tensor) -> None:
         """One piece by the GEMM path into `out` [rows, H, D] (contiguous): q [rows, H, D] bf16;
-        keys, values [KVH, num_keys, D] float32 (bf16 values). Runs under oneDNN's bf16 float32 mode."""
+        keys [KVH, D, num_keys] and values [KVH, num_keys, D] float32 (bf16 values). Runs under
+        oneDNN's bf16 float32 mode."""
         rows, kvh, d = q.shape[0], self.num_kv_heads, self.head_dim
         g = self.num_heads // kvh
-        if p.gemm_bias is None:
-            attend = p.mask if p.mask is not None else torch.ones(rows, p.num_keys, dtype=torch.bool,
-                                                                   device=q.device).tril_()
-            p.gemm_bias = torch.zeros(1, g * rows, p.num_keys, device=q.device).masked_fill_(
-                ~attend.repeat(g, 1)[None], float("-inf"))
+        if p.gemm_visible is None:
+            # The piece's last row is at position num_keys - 1 and sees every key; each row
+            # before it one key fewer (causal).
+            first = p.num_keys - rows + 1
+            p.gemm_visible = torch.arange(first, p.num_keys + 1, device=q.device).repeat(kvh * g)
         # One copy: converted straight into the folded layout.
         qf = q.view(rows, kvh, g, d).permute(1, 2, 0, 3).to(torch.float32, memory_format=torch.contiguous_format)
         qf = qf.view(kvh, g * rows, d)
-        scores = torch.baddbmm(p.gemm_bias, qf, keys.transpose(1, 2), alpha=self.scale)  # [KVH, G * rows, keys]
-        # exp(scores - row max) and the row sums: every row sees at least key 0, so its max is
-        # finite and exp() of it is 1. (A piece has >= 2 rows and keys: the kernel's smallest sizes.)
+        products = torch.bmm(qf, keys)  # [KVH, G * rows, keys]: q k^T, unscaled and unmasked
+        # Scale, causal mask, exp(scores - row max) and the row sums: every row sees at least key
+        # 0, so its max is finite and exp() of it is 1. (A piece has >= 2 rows and keys: the
+        # kernel's smallest sizes.)
         softmax = self.prefill_softmax or prefill_softmax_reference
-        weights, sums = softmax(scores.view(-1, p.num_keys))
-        weights, sums = weights.view(scores.shape), sums.view(kvh, g * rows, 1)
+        weights, sums = softmax(products.view(-1, p.num_keys), p.gemm_visible, self.scale)
+        weights, sums = weights.view(products.shape), sums.view(kvh, g * rows, 1)
         o = torch.bmm(weights, values).div_(sums)  # [KVH, G * rows, D]
         out.view(rows, kvh, g, d).copy_(o.view(kvh, g, rows, d).permute(2, 0, 1, 3))  # unfolded, rounded once
 
@@ -292,14 +294,18 @@ class TorchAttentionBackend(AttentionBackend):
             keys = k_cache.index_select(0, blocks).flatten(0, 1)[: s.context_len].transpose(0, 1)  # [KVH, ctx, D]
             values = v_cache.index_select(0, blocks).flatten(0, 1)[: s.context_len].transpose(0, 1)
             if gemm and s.context_len <= PREFILL_GEMM_MAX_KEYS:
-                keys, values = keys.float(), values.float()
+                # Converted once per layer, the keys straight into the transposed layout the first
+                # GEMM multiplies by [KVH, D, ctx]: a piece's keys are then a plain strided view,
+                # where the [KVH, ctx, D] cache order cost every piece a transposing copy.
+                keys = torch.empty(keys.shape[0], keys.shape[2], keys.shape[1], device=q.device).copy_(keys.transpose(1, 2))
+                values = values.float()
                 # Process-wide: float32 matmuls round their inputs to bf16 while it is set. The
                 # executor's torch work is on one thread, and only the two GEMMs run under it.
                 matmul = torch.backends.mkldnn.matmul
                 before, matmul.fp32_precision = matmul.fp32_precision, "bf16"
                 try:
                     for p in s.pieces:
-                        self._gemm_piece(q[p.q0 : p.q1], keys[:, : p.num_keys], values[:, : p.num_keys], p,
+                        self._gemm_piece(q[p.q0 : p.q1], keys[:, :, : p.num_keys], values[:, : p.num_keys], p,
                                          out[p.q0 : p.q1])
                 finally:
                     matmul.fp32_precision = before

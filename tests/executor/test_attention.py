@@ -591,15 +591,21 @@ def test_compiled_prefill_softmax_equals_the_reference(threads):
     try:
         with torch.inference_mode():
             for rows, keys in ((2, 2), (3, 17), (864, 512), (57, 1000), (9, 4096)):
-                scores = torch.randn(rows, keys, generator=g) * 6
-                visible = torch.randint(1, keys + 1, (rows, 1), generator=g)
-                scores.masked_fill_(torch.arange(keys)[None, :] >= visible, float("-inf"))
-                (weights, sums), (want_w, want_s) = kernel(scores), prefill_softmax_reference(scores)
-                assert weights.shape == scores.shape and sums.shape == (rows, 1)
+                products = torch.randn(rows, keys, generator=g) * 40
+                visible = torch.randint(1, keys + 1, (rows,), generator=g)
+                visible[0] = 1  # a row that sees a single key
+                scale = 0.15
+                (weights, sums) = kernel(products, visible, scale)
+                want_w, want_s = prefill_softmax_reference(products, visible, scale)
+                assert weights.shape == products.shape and sums.shape == (rows, 1)
                 # The same math; only exp's last bit and the order of the sum's terms may differ.
                 torch.testing.assert_close(weights, want_w, atol=2e-7, rtol=1e-6)
                 torch.testing.assert_close(sums, want_s, atol=0, rtol=1e-6)
-                assert torch.equal(weights == 0, scores == float("-inf"))
+                # Masked keys weigh exactly 0, and the rest are the plain scaled softmax's.
+                masked = torch.arange(keys)[None, :] >= visible[:, None]
+                assert torch.equal(weights == 0, masked) and weights[0, 0] == 1
+                plain = torch.softmax((products * scale).masked_fill(masked, float("-inf")), -1)
+                torch.testing.assert_close(weights / sums, plain, atol=1e-6, rtol=1e-5)
     finally:
         torch.set_num_threads(old_threads)
 
