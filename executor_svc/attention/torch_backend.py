@@ -57,8 +57,8 @@ PREFILL_PIECE_ROWS = 192
 # to bf16 as a bf16 GEMM's output would be, and the output is rounded once, after the division
 # (bench/RESULTS.md section 2). Smaller pieces than SDPA's keep a piece's float32 scores in cache.
 PREFILL_GEMM_PIECE_ROWS = 96
-# Longer contexts take SDPA: the GEMM path holds a piece's float32 scores and an additive mask of
-# the same size per piece for the step ([G x rows, keys] floats each), which flash never makes.
+# Longer contexts take SDPA: the GEMM path holds a piece's float32 scores and their weights
+# ([KVH x G x rows, keys] floats each), which flash never makes.
 PREFILL_GEMM_MAX_KEYS = 4096
 
 
