@@ -101,6 +101,12 @@ def exponential_noise(vocab: int, seed: int, position: int, device: torch.device
     return torch.empty(vocab, dtype=torch.float32, device=device).exponential_(generator=gen)
 
 
+def _rows(logits: torch.Tensor, rows: list[int], idx: torch.Tensor) -> torch.Tensor:
+    """logits[rows] (idx: the same rows as a tensor), and no copy when that is every row in order:
+    the usual all-greedy batch, where copying [N, vocab] float32 logits cost more than the argmax."""
+    return logits if len(rows) == logits.shape[0] else logits.index_select(0, idx)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -119,10 +125,10 @@ def sample(
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if greedy_rows:
         idx = torch.tensor(greedy_rows, device=device)
-        tokens[idx] = logits.index_select(0, idx).argmax(dim=-1)
+        tokens[idx] = _rows(logits, greedy_rows, idx).argmax(dim=-1)
     if random_rows:
         idx = torch.tensor(random_rows, device=device)
-        probs = processed_logits(logits.index_select(0, idx), [params[i] for i in random_rows]).softmax(dim=-1)
+        probs = processed_logits(_rows(logits, random_rows, idx), [params[i] for i in random_rows]).softmax(dim=-1)
         noise = torch.stack([exponential_noise(vocab, seeds[i], positions[i], device) for i in random_rows])
         # Exponential race: argmax(p_i / E_i) is distributed as p; removed tokens have p_i = 0.
         tokens[idx] = (probs / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
@@ -132,7 +138,7 @@ def sample(
     want = [i for i, p in enumerate(params) if p.num_logprobs is not None]
     if want:
         idx = torch.tensor(want, device=device)
-        logprobs = torch.log_softmax(logits.index_select(0, idx), dim=-1)
+        logprobs = torch.log_softmax(_rows(logits, want, idx), dim=-1)
         chosen = logprobs.gather(1, tokens.index_select(0, idx).unsqueeze(1)).squeeze(1).tolist()
         k_max = min(max(params[i].num_logprobs or 0 for i in want), vocab)
         top_vals = top_ids = None
