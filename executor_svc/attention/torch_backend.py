@@ -56,7 +56,9 @@ PREFILL_PIECE_ROWS = 192
 # rounded as flash rounds them) and keeps float32 sums and results, so the scores are not rounded
 # to bf16 as a bf16 GEMM's output would be, and the output is rounded once, after the division
 # (bench/RESULTS.md section 2). Smaller pieces than SDPA's keep a piece's float32 scores in cache.
-PREFILL_GEMM_PIECE_ROWS = 96
+# 128 rather than 96 since the pieces stopped copying keys and a mask (1.00-1.13x per chunk, 64
+# rows 0.93-1.03x, 192 0.98-1.05x; bench/RESULTS.md section 2); outputs are the same for any size.
+PREFILL_GEMM_PIECE_ROWS = 128
 # Longer contexts take SDPA: the GEMM path holds a piece's float32 scores and their weights
 # ([KVH x G x rows, keys] floats each), which flash never makes.
 PREFILL_GEMM_MAX_KEYS = 4096
