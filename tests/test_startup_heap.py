@@ -36,7 +36,9 @@ def test_start_up_garbage_is_collected_and_the_survivors_frozen(restore_gc):
     frozen = startup_heap.freeze_startup_heap("test")
     assert gc.isenabled()
     assert garbage_ref() is None  # start-up's garbage was freed, not frozen for good
-    assert frozen == gc.get_freeze_count() > before
+    # Frozen objects only leave the permanent generation (when freed, here or on another of this
+    # process's threads), so the count can have dropped a little since, never grown.
+    assert before < frozen and frozen - 1000 < gc.get_freeze_count() <= frozen
     assert gc.is_tracked(survivor) and survivor.self is survivor
 
 
