@@ -40,7 +40,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-
 from . import aot_package
 
 logger = logging.getLogger("chunkwise.executor.attention")
