@@ -14,6 +14,7 @@ and compiles, and a warm-up check of the loaded runner against its eager referen
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -99,6 +100,13 @@ def compile_to_package(program: Any, path: Path, options: dict[str, Any]) -> Non
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@functools.cache
+def scale_tensor(scale: float) -> torch.Tensor:
+    """`scale` as a 0-d float32 tensor, made once per value: the packages take the attention scale
+    as an input, so that one package serves every model with the same head geometry."""
+    return torch.tensor(scale, dtype=torch.float32)
 
 
 def load(path: Path) -> Any:

@@ -182,7 +182,6 @@ class PagedDecodeKernel:
         if why is not None:
             self.reason = f"{why}: using folded-query SDPA over gathered blocks"
             return
-        self._scales: dict[float, torch.Tensor] = {}
         t0 = time.perf_counter()
         try:
             self.package = package_path(num_heads, num_kv_heads, head_dim, dtype, cache_dir)
@@ -236,10 +235,8 @@ class PagedDecodeKernel:
         # query goes in as float32, whatever the cache's dtype: the reference converts it first
         # anyway, and compiled, that conversion would be redone for every key it meets (12% of
         # a bf16 call; bench/RESULTS.md section 2). The output is rounded to q's dtype after.
-        scale_t = self._scales.get(scale)
-        if scale_t is None:
-            scale_t = self._scales.setdefault(scale, torch.tensor(scale, dtype=torch.float32))
-        return self._runner.run([q.float(), k_flat, v_flat, slots, lens, scale_t])[0].to(q.dtype)
+        inputs = [q.float(), k_flat, v_flat, slots, lens, aot_package.scale_tensor(scale)]
+        return self._runner.run(inputs)[0].to(q.dtype)
 
 
 def package_path(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

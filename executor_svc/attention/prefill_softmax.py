@@ -85,7 +85,6 @@ class PrefillSoftmaxKernel:
                  cache_dir: str | os.PathLike[str] | None = None):
         self.ready = False
         self.package: Path | None = None
-        self._scales: dict[float, torch.Tensor] = {}
         why = aot_package.not_compiled_reason(device, enforce_eager)
         if why is not None:
             self.reason = f"{why}: eager softmax"
@@ -120,8 +119,5 @@ class PrefillSoftmaxKernel:
     def __call__(self, products: torch.Tensor, visible: torch.Tensor,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """As prefill_softmax_reference, for products [rows >= 2, keys >= 2] float32, contiguous."""
-        scale_t = self._scales.get(scale)
-        if scale_t is None:
-            scale_t = self._scales.setdefault(scale, torch.tensor(scale, dtype=torch.float32))
-        weights, sums = self._runner.run([products, visible, scale_t])
+        weights, sums = self._runner.run([products, visible, aot_package.scale_tensor(scale)])
         return weights, sums
