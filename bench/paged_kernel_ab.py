@@ -26,7 +26,7 @@ import torch
 from benchutil import spread, write_json
 
 from chunkwise.plan import cdiv
-from executor_svc.attention.aot_package import load
+from executor_svc.aot_package import load
 from executor_svc.attention.paged_decode import decode_slots
 
 NUM_BLOCKS, BLOCK_SIZE, LAYERS, ROWS = 2000, 16, 30, 32

@@ -17,7 +17,9 @@ of the weights (--cpu-plain-weight-min-rows 512); --compare-prefill-pieces likew
 attention in pieces of rows (the default on CPU) against one SDPA call per chunk;
 --compare-prefill-gemm pits bf16 prefill attention as GEMMs (the default where the CPU
 multiplies bf16 natively) against torch's flash SDPA; --compare-prefill-softmax pits that GEMM
-path's compiled softmax (the default) against the eager one; --compare-block-order runs the workload
+path's compiled softmax (the default) against the eager one; --compare-layer-ops pits the compiled
+element-wise ops between the matmuls (the default: residual add + RMSNorm, RoPE) against eager
+ones; --compare-block-order runs the workload
 under two schedulers that keep their block pools across rounds (a warm server's state: from the
 third round on every allocation evicts), one handing blocks out in ascending order (the
 default) and one in the order its free lists give them (bench/block_order.py). Each run reports
@@ -47,6 +49,7 @@ from executor_svc.attention.torch_backend import PREFILL_PIECE_ROWS
 from executor_svc.config import ExecutorConfig
 from executor_svc.engine import ModelRunner
 from executor_svc.models import packed_linear
+from executor_svc.models.layer_ops import EAGER
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.scheduler import Scheduler
@@ -83,6 +86,8 @@ COMPARISONS = {
                      "sdpa_over_gemm"),
     "prefill-softmax": ("two runners, the bf16 GEMM prefill path with its compiled softmax (the default) and "
                         "with the eager one, in interleaved rounds", "eager", "compiled", "eager_over_compiled"),
+    "layer-ops": ("two runners, the element-wise ops between the matmuls compiled (the default, "
+                  "models/layer_ops.py) and eager, in interleaved rounds", "eager", "compiled", "eager_over_compiled"),
     "block-order": ("one runner, two schedulers each keeping its block pool across rounds (so that from the "
                     "third round on every allocation evicts), one handing blocks out ascending (the default) "
                     "and one in the order its free lists give them, in interleaved rounds", "as-freed",
@@ -271,6 +276,8 @@ def main(argv=None) -> int:
         runners = {"gemm": runners["default"], "sdpa": ModelRunner(config)}
     if ns.compare_prefill_softmax:
         runners = {"compiled": runners["default"], "eager": ModelRunner(config)}
+    if ns.compare_layer_ops:
+        runners = {"compiled": runners["default"], "eager": ModelRunner(config)}
     if ns.compare_block_order:  # the same runner under two schedulers; each run has its own cache salt
         runners = {"ascending": runners["default"], "as-freed": runners["default"]}
     for r in {id(r): r for r in runners.values()}.values():
@@ -291,6 +298,11 @@ def main(argv=None) -> int:
                              f"{runners['compiled'].info.prefill_attention!r}, not 'bf16-gemm' "
                              "(it needs --dtype bfloat16 on a CPU with native bf16)")
         runners["eager"].backend.prefill_softmax = None
+    if ns.compare_layer_ops:
+        if runners["compiled"].info.layer_ops != "compiled":
+            raise SystemExit("--compare-layer-ops: the default runner's element-wise ops are not compiled here "
+                             f"({runners['compiled'].info.layer_ops!r})")
+        runners["eager"].model.layer_ops = EAGER
     first = next(iter(runners.values()))
     requests = random_dataset(ns.num_prompts, input_len=637, output_len=ns.output_len, prefix_len=180,
                               num_prefix_groups=8, vocab_size=first.spec.vocab_size, seed=0)

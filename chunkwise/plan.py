@@ -163,6 +163,7 @@ class ModelInfo:
     num_parameters: int
     decode_attention: str = ""  # torch backend: "paged-inductor" | "sdpa-folded"; else the backend's name
     prefill_attention: str = ""  # torch backend: "bf16-gemm" | "bf16-gemm-eager-softmax" | "sdpa"; else its name
+    layer_ops: str = ""  # the element-wise ops between the matmuls: "compiled" | "eager"
 
 
 @dataclass(frozen=True, kw_only=True)

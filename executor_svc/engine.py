@@ -50,6 +50,7 @@ from .attention.prefill_softmax import PrefillSoftmaxKernel
 from .config import ExecutorConfig, cpu_bf16_flags
 from .kv_cache import KVCache, KVCacheShape, plan_num_blocks
 from .loader import load_model, read_spec
+from .models.layer_ops import CompiledLayerOps
 from .models.llama import Linear
 from .parallel import SINGLE, Ranks, TPGroup, broadcast, check_divisible, resolve_for_ranks, threads_per_rank
 from .sampling import new_random_seed, sample
@@ -193,6 +194,17 @@ class ModelRunner:
         if backend_cls is TorchAttentionBackend and self.prefill_bf16_gemm:
             self.prefill_softmax = PrefillSoftmaxKernel(self.device, config.enforce_eager)
             logger.info("prefill attention: %s", self.prefill_softmax.reason)
+        # The element-wise ops between the matmuls (residual add + RMSNorm, RoPE) compiled, built
+        # here for the same reason; the model runs them eager where they are not ready.
+        if self.device.type == "cpu":
+            attn = self.model.layers[0].self_attn
+            layer_ops = CompiledLayerOps(self.spec.hidden_size, attn.q_size + 2 * attn.kv_size,
+                                         self.num_heads + self.num_kv_heads, self.spec.head_dim, self.dtype,
+                                         self.device, config.enforce_eager)
+            logger.info("element-wise ops: %s", layer_ops.reason)
+            if layer_ops.ready:
+                self.model.layer_ops = layer_ops
+        self._info = replace(self._info, layer_ops=self.model.layer_ops.name)
         if self.device.type == "cpu" and config.cpu_keep_freed_memory:
             # Last: what loading, packing and the kernel's build freed goes back to the kernel first.
             logger.info("memory: %s", cpu_malloc.keep_freed_memory())

@@ -160,11 +160,11 @@ class Engine:
         """Start the step loop (and the periodic status line) on the running event loop."""
         log.info(
             "executor %s: %s, vocab %d, max_model_len %d, %d KV blocks of %d tokens, %s/%s, attention %s (decode: %s, "
-            "prefill: %s), async scheduling %s",
+            "prefill: %s), element-wise ops %s, async scheduling %s",
             self.executor.address, self.info.architecture, self.info.vocab_size, self.max_model_len,
             self.info.num_kv_blocks, self.info.block_size, self.info.dtype, self.info.device,
             self.info.attention_backend, self.info.decode_attention or "unreported",
-            self.info.prefill_attention or "unreported",
+            self.info.prefill_attention or "unreported", self.info.layer_ops or "unreported",
             "on" if self.config.async_scheduling else "off",
         )
         self._task = asyncio.create_task(self._run(), name="step-loop")

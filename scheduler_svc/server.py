@@ -206,6 +206,7 @@ def stats_to_proto(engine: Engine) -> gpb.Stats:
         attention_backend=engine.info.attention_backend,
         decode_attention=engine.info.decode_attention,
         prefill_attention=engine.info.prefill_attention,
+        layer_ops=engine.info.layer_ops,
         dtype=engine.info.dtype,
         executor_restarts=engine.executor_restarts,
     )

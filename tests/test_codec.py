@@ -80,7 +80,8 @@ def test_result_roundtrip():
 def test_handshake_roundtrip_keeps_every_field():
     model = ModelInfo(model_path="/models/m", architecture="LlamaForCausalLM", vocab_size=49152, max_model_len=8192,
                       eos_token_ids=(2, 7), dtype="bfloat16", device="cpu", attention_backend="torch",
-                      num_parameters=135_000_000, decode_attention="paged-inductor", prefill_attention="bf16-gemm")
+                      num_parameters=135_000_000, decode_attention="paged-inductor", prefill_attention="bf16-gemm",
+                      layer_ops="compiled")
     # Every field differs from its default, so a field the codec dropped would show.
     assert all(getattr(model, f.name) != f.default for f in dataclasses.fields(ModelInfo))
     msg = pb.InitializeResponse(executor_epoch="e1", model=codec.model_info_to_proto(model), block_size=16,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63hunkwise/v1/executor.proto\x12\x0c\x63hunkwise.v1\"\x11\n\x0fGetEpochRequest\"*\n\x10GetEpochResponse\x12\x16\n\x0e\x65xecutor_epoch\x18\x01 \x01(\t\"\'\n\x11InitializeRequest\x12\x12\n\nblock_size\x18\x01 \x01(\r\"\xfe\x01\n\tModelInfo\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x08 \x01(\t\x12\x16\n\x0enum_parameters\x18\t \x01(\x04\x12\x18\n\x10\x64\x65\x63ode_attention\x18\n \x01(\t\x12\x19\n\x11prefill_attention\x18\x0b \x01(\t\"\x7f\n\x12InitializeResponse\x12\x16\n\x0e\x65xecutor_epoch\x18\x01 \x01(\t\x12&\n\x05model\x18\x02 \x01(\x0b\x32\x17.chunkwise.v1.ModelInfo\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\"\x9e\x01\n\x12\x45xecSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x19\n\x0cnum_logprobs\x18\x06 \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0f\n\r_num_logprobs\"z\n\x0eNewRequestData\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .chunkwise.v1.ExecSamplingParams\"k\n\x13RunningRequestDelta\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\x12\x16\n\x0e\x61ppend_sampled\x18\x04 \x01(\x08\"y\n\x0eScheduledChunk\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x16\n\x0ekv_write_start\x18\x04 \x01(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\"\x95\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x65xecutor_epoch\x18\x02 \x01(\t\x12\x18\n\x10\x66inished_req_ids\x18\x03 \x03(\t\x12\x32\n\x0cnew_requests\x18\x04 \x03(\x0b\x32\x1c.chunkwise.v1.NewRequestData\x12\x32\n\x07running\x18\x05 \x03(\x0b\x32!.chunkwise.v1.RunningRequestDelta\x12,\n\x06\x63hunks\x18\x06 \x03(\x0b\x32\x1c.chunkwise.v1.ScheduledChunk\x12\x1c\n\x0f\x66ollows_step_id\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\x12\n\x10_follows_step_id\"8\n\x13SampledTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x8b\x01\n\x0cSampledToken\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x37\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32!.chunkwise.v1.SampledTokenLogprobB\n\n\x08_logprob\"\x8b\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x07sampled\x18\x02 \x03(\x0b\x32\x1a.chunkwise.v1.SampledToken\x12\x17\n\x0f\x65xecute_seconds\x18\x03 \x01(\x01\x12&\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x17.chunkwise.v1.StepError\"*\n\tStepError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t2\xea\x01\n\x08\x45xecutor\x12O\n\nInitialize\x12\x1f.chunkwise.v1.InitializeRequest\x1a .chunkwise.v1.InitializeResponse\x12\x42\n\nStepStream\x12\x16.chunkwise.v1.StepPlan\x1a\x18.chunkwise.v1.StepResult(\x01\x30\x01\x12I\n\x08GetEpoch\x12\x1d.chunkwise.v1.GetEpochRequest\x1a\x1e.chunkwise.v1.GetEpochResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63hunkwise/v1/executor.proto\x12\x0c\x63hunkwise.v1\"\x11\n\x0fGetEpochRequest\"*\n\x10GetEpochResponse\x12\x16\n\x0e\x65xecutor_epoch\x18\x01 \x01(\t\"\'\n\x11InitializeRequest\x12\x12\n\nblock_size\x18\x01 \x01(\r\"\x91\x02\n\tModelInfo\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x08 \x01(\t\x12\x16\n\x0enum_parameters\x18\t \x01(\x04\x12\x18\n\x10\x64\x65\x63ode_attention\x18\n \x01(\t\x12\x19\n\x11prefill_attention\x18\x0b \x01(\t\x12\x11\n\tlayer_ops\x18\x0c \x01(\t\"\x7f\n\x12InitializeResponse\x12\x16\n\x0e\x65xecutor_epoch\x18\x01 \x01(\t\x12&\n\x05model\x18\x02 \x01(\x0b\x32\x17.chunkwise.v1.ModelInfo\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\"\x9e\x01\n\x12\x45xecSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x19\n\x0cnum_logprobs\x18\x06 \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0f\n\r_num_logprobs\"z\n\x0eNewRequestData\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .chunkwise.v1.ExecSamplingParams\"k\n\x13RunningRequestDelta\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\x12\x16\n\x0e\x61ppend_sampled\x18\x04 \x01(\x08\"y\n\x0eScheduledChunk\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x16\n\x0ekv_write_start\x18\x04 \x01(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\"\x95\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x65xecutor_epoch\x18\x02 \x01(\t\x12\x18\n\x10\x66inished_req_ids\x18\x03 \x03(\t\x12\x32\n\x0cnew_requests\x18\x04 \x03(\x0b\x32\x1c.chunkwise.v1.NewRequestData\x12\x32\n\x07running\x18\x05 \x03(\x0b\x32!.chunkwise.v1.RunningRequestDelta\x12,\n\x06\x63hunks\x18\x06 \x03(\x0b\x32\x1c.chunkwise.v1.ScheduledChunk\x12\x1c\n\x0f\x66ollows_step_id\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\x12\n\x10_follows_step_id\"8\n\x13SampledTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x8b\x01\n\x0cSampledToken\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x37\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32!.chunkwise.v1.SampledTokenLogprobB\n\n\x08_logprob\"\x8b\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x07sampled\x18\x02 \x03(\x0b\x32\x1a.chunkwise.v1.SampledToken\x12\x17\n\x0f\x65xecute_seconds\x18\x03 \x01(\x01\x12&\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x17.chunkwise.v1.StepError\"*\n\tStepError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t2\xea\x01\n\x08\x45xecutor\x12O\n\nInitialize\x12\x1f.chunkwise.v1.InitializeRequest\x1a .chunkwise.v1.InitializeResponse\x12\x42\n\nStepStream\x12\x16.chunkwise.v1.StepPlan\x1a\x18.chunkwise.v1.StepResult(\x01\x30\x01\x12I\n\x08GetEpoch\x12\x1d.chunkwise.v1.GetEpochRequest\x1a\x1e.chunkwise.v1.GetEpochResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,27 +38,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INITIALIZEREQUEST']._serialized_start=108
   _globals['_INITIALIZEREQUEST']._serialized_end=147
   _globals['_MODELINFO']._serialized_start=150
-  _globals['_MODELINFO']._serialized_end=404
-  _globals['_INITIALIZERESPONSE']._serialized_start=406
-  _globals['_INITIALIZERESPONSE']._serialized_end=533
-  _globals['_EXECSAMPLINGPARAMS']._serialized_start=536
-  _globals['_EXECSAMPLINGPARAMS']._serialized_end=694
-  _globals['_NEWREQUESTDATA']._serialized_start=696
-  _globals['_NEWREQUESTDATA']._serialized_end=818
-  _globals['_RUNNINGREQUESTDELTA']._serialized_start=820
-  _globals['_RUNNINGREQUESTDELTA']._serialized_end=927
-  _globals['_SCHEDULEDCHUNK']._serialized_start=929
-  _globals['_SCHEDULEDCHUNK']._serialized_end=1050
-  _globals['_STEPPLAN']._serialized_start=1053
-  _globals['_STEPPLAN']._serialized_end=1330
-  _globals['_SAMPLEDTOKENLOGPROB']._serialized_start=1332
-  _globals['_SAMPLEDTOKENLOGPROB']._serialized_end=1388
-  _globals['_SAMPLEDTOKEN']._serialized_start=1391
-  _globals['_SAMPLEDTOKEN']._serialized_end=1530
-  _globals['_STEPRESULT']._serialized_start=1533
-  _globals['_STEPRESULT']._serialized_end=1672
-  _globals['_STEPERROR']._serialized_start=1674
-  _globals['_STEPERROR']._serialized_end=1716
-  _globals['_EXECUTOR']._serialized_start=1719
-  _globals['_EXECUTOR']._serialized_end=1953
+  _globals['_MODELINFO']._serialized_end=423
+  _globals['_INITIALIZERESPONSE']._serialized_start=425
+  _globals['_INITIALIZERESPONSE']._serialized_end=552
+  _globals['_EXECSAMPLINGPARAMS']._serialized_start=555
+  _globals['_EXECSAMPLINGPARAMS']._serialized_end=713
+  _globals['_NEWREQUESTDATA']._serialized_start=715
+  _globals['_NEWREQUESTDATA']._serialized_end=837
+  _globals['_RUNNINGREQUESTDELTA']._serialized_start=839
+  _globals['_RUNNINGREQUESTDELTA']._serialized_end=946
+  _globals['_SCHEDULEDCHUNK']._serialized_start=948
+  _globals['_SCHEDULEDCHUNK']._serialized_end=1069
+  _globals['_STEPPLAN']._serialized_start=1072
+  _globals['_STEPPLAN']._serialized_end=1349
+  _globals['_SAMPLEDTOKENLOGPROB']._serialized_start=1351
+  _globals['_SAMPLEDTOKENLOGPROB']._serialized_end=1407
+  _globals['_SAMPLEDTOKEN']._serialized_start=1410
+  _globals['_SAMPLEDTOKEN']._serialized_end=1549
+  _globals['_STEPRESULT']._serialized_start=1552
+  _globals['_STEPRESULT']._serialized_end=1691
+  _globals['_STEPERROR']._serialized_start=1693
+  _globals['_STEPERROR']._serialized_end=1735
+  _globals['_EXECUTOR']._serialized_start=1738
+  _globals['_EXECUTOR']._serialized_end=1972
 # @@protoc_insertion_point(module_scope)

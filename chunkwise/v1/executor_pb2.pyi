@@ -23,7 +23,7 @@ class InitializeRequest(_message.Message):
     def __init__(self, block_size: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_path", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "device", "attention_backend", "num_parameters", "decode_attention", "prefill_attention")
+    __slots__ = ("model_path", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "device", "attention_backend", "num_parameters", "decode_attention", "prefill_attention", "layer_ops")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class ModelInfo(_message.Message):
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     DECODE_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    LAYER_OPS_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     architecture: str
     vocab_size: int
@@ -46,7 +47,8 @@ class ModelInfo(_message.Message):
     num_parameters: int
     decode_attention: str
     prefill_attention: str
-    def __init__(self, model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_parameters: _Optional[int] = ..., decode_attention: _Optional[str] = ..., prefill_attention: _Optional[str] = ...) -> None: ...
+    layer_ops: str
+    def __init__(self, model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_parameters: _Optional[int] = ..., decode_attention: _Optional[str] = ..., prefill_attention: _Optional[str] = ..., layer_ops: _Optional[str] = ...) -> None: ...
 
 class InitializeResponse(_message.Message):
     __slots__ = ("executor_epoch", "model", "block_size", "num_kv_blocks")

@@ -137,7 +137,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("steps", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens", "decode_tokens", "preemptions", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_cached", "requests_finished", "block_size", "executor_epoch", "executor_restarts", "recomputed_tokens", "attention_backend", "decode_attention", "dtype", "prefix_holds", "resumed_cached_tokens", "prefill_attention")
+    __slots__ = ("steps", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens", "decode_tokens", "preemptions", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_cached", "requests_finished", "block_size", "executor_epoch", "executor_restarts", "recomputed_tokens", "attention_backend", "decode_attention", "dtype", "prefix_holds", "resumed_cached_tokens", "prefill_attention", "layer_ops")
     class RequestsFinishedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class Stats(_message.Message):
     PREFIX_HOLDS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    LAYER_OPS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     prefix_cache_queries: int
     prefix_cache_hits: int
@@ -191,4 +192,5 @@ class Stats(_message.Message):
     prefix_holds: int
     resumed_cached_tokens: int
     prefill_attention: str
-    def __init__(self, steps: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., requests_finished: _Optional[_Mapping[str, int]] = ..., block_size: _Optional[int] = ..., executor_epoch: _Optional[str] = ..., executor_restarts: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., attention_backend: _Optional[str] = ..., decode_attention: _Optional[str] = ..., dtype: _Optional[str] = ..., prefix_holds: _Optional[int] = ..., resumed_cached_tokens: _Optional[int] = ..., prefill_attention: _Optional[str] = ...) -> None: ...
+    layer_ops: str
+    def __init__(self, steps: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., requests_finished: _Optional[_Mapping[str, int]] = ..., block_size: _Optional[int] = ..., executor_epoch: _Optional[str] = ..., executor_restarts: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., attention_backend: _Optional[str] = ..., decode_attention: _Optional[str] = ..., dtype: _Optional[str] = ..., prefix_holds: _Optional[int] = ..., resumed_cached_tokens: _Optional[int] = ..., prefill_attention: _Optional[str] = ..., layer_ops: _Optional[str] = ...) -> None: ...

@@ -45,7 +45,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ..kv_cache import write_kv
 from .base import AttentionBackend, BatchLayout
-from .aot_package import use_chunkwise_inductor_cache
+from ..aot_package import use_chunkwise_inductor_cache
 
 # Query rows per block-mask tile. Every row of a tile visits every block the tile lists, so a
 # tile of decode rows from many requests does each row's work once per request in it: small

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import aot_package
+from .. import aot_package
 
 logger = logging.getLogger("chunkwise.executor.attention")
 
@@ -235,7 +235,7 @@ class PagedDecodeKernel:
         # query goes in as float32, whatever the cache's dtype: the reference converts it first
         # anyway, and compiled, that conversion would be redone for every key it meets (12% of
         # a bf16 call; bench/RESULTS.md section 2). The output is rounded to q's dtype after.
-        inputs = [q.float(), k_flat, v_flat, slots, lens, aot_package.scale_tensor(scale)]
+        inputs = [q.float(), k_flat, v_flat, slots, lens, aot_package.scalar_tensor(scale)]
         return self._runner.run(inputs)[0].to(q.dtype)
 
 

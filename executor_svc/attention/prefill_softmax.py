@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from . import aot_package
+from .. import aot_package
 
 logger = logging.getLogger("chunkwise.executor.attention")
 
@@ -119,5 +119,5 @@ class PrefillSoftmaxKernel:
     def __call__(self, products: torch.Tensor, visible: torch.Tensor,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """As prefill_softmax_reference, for products [rows >= 2, keys >= 2] float32, contiguous."""
-        weights, sums = self._runner.run([products, visible, aot_package.scale_tensor(scale)])
+        weights, sums = self._runner.run([products, visible, aot_package.scalar_tensor(scale)])
         return weights, sums

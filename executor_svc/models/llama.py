@@ -29,7 +29,8 @@ from torch import nn
 
 from ..parallel import SINGLE, TPGroup
 from . import packed_linear
-from .rope import RotaryEmbedding, apply_rotary
+from .layer_ops import EAGER, LayerOps, rms_norm_reference
+from .rope import RotaryEmbedding
 from .spec import ModelSpec
 
 # attend(layer_idx, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
@@ -89,16 +90,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = _param((size,), dtype, device)
         self.eps = eps
-        self.normalized_shape = (size,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            # One call, bit for bit the formula below in float32 (not in bf16, where torch's
-            # op rounds after the weight multiply and the reference before it).
-            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
-        xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm_reference(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -113,14 +107,14 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias, dtype, device)
         self.o_proj = Linear(self.q_size, spec.hidden_size, spec.o_bias, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn,
+                ops: LayerOps) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        qk_size = self.q_size + self.kv_size
         # q's and k's heads are adjacent in qkv: rotated in one call, then split as views.
-        qk = apply_rotary(qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        qk = ops.rotary(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         out = attend(self.layer_idx, q, k, v)
         return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
@@ -146,9 +140,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.mlp = MLP(spec, dtype, device, tp)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn,
+                next_norm: RMSNorm, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream into this layer; h: x already normed by input_layernorm. Returns
+        the stream out of the layer and it normed by `next_norm` (the next layer's input norm,
+        or the final norm): each residual add is one op with the norm that follows it."""
+        post = self.post_attention_layernorm
+        x, h = ops.add_rms_norm(x, self.self_attn(h, cos, sin, attend, ops), post.weight, post.eps)
+        return ops.add_rms_norm(x, self.mlp(h), next_norm.weight, next_norm.eps)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -172,14 +171,19 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None  # set by pack_linear_weights()
         self.plain_layers, self.plain_bytes = 0, 0  # set by pack_linear_weights()
         self.widened_bytes = 0  # set by pack_linear_weights(): float32 copies of bf16/fp16 weights
+        # The element-wise ops between the matmuls (layer_ops.py): eager torch unless the engine
+        # hands the model compiled ones.
+        self.layer_ops: LayerOps = EAGER
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for flat token ids / positions [T]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # shared by every layer
-        for layer in self.layers:
-            x = layer(x, cos, sin, attend)
-        return self.norm(x)
+        h = self.layers[0].input_layernorm(x)
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, h = layer(x, h, cos, sin, attend, next_norm, self.layer_ops)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the N rows given (only the rows that sample)."""

@@ -53,12 +53,12 @@ def test_capital_of_france(stack, smollm_ref, tokenizer):
     ids = tokenizer(prompt).input_ids
     smollm_ref.check(ids, 8, r.token_ids)
     assert r.text == tokenizer.decode(r.token_ids, skip_special_tokens=True)
-    # The default CPU stack ran it through the compiled paged decode kernel, and says so in GetStats
-    # (prefill through SDPA: this stack runs float32).
+    # The default CPU stack ran it through the compiled paged decode kernel and compiled
+    # element-wise ops, and says so in GetStats (prefill through SDPA: this stack runs float32).
     with Client(stack.address) as c:
         st = c.stats()
-    assert (st["attention_backend"], st["decode_attention"], st["prefill_attention"]) == \
-        ("torch", "paged-inductor", "sdpa"), st
+    assert (st["attention_backend"], st["decode_attention"], st["prefill_attention"], st["layer_ops"]) == \
+        ("torch", "paged-inductor", "sdpa", "compiled"), st
 
 
 def test_chat_messages_use_the_template(stack, smollm_ref, tokenizer):

@@ -3,7 +3,7 @@
 A `torch.compile` kernel costs every executor start ~4 s even with a warm inductor cache
 (importing dynamo and inductor, tracing, guards); a package loads in milliseconds through
 torch's C++ loader, without importing either (bench/RESULTS.md). So each compiled kernel
-(paged_decode.py, prefill_softmax.py) is exported once with dynamic sizes, compiled into a package
+(attention/paged_decode.py, attention/prefill_softmax.py, models/layer_ops.py) is exported once with dynamic sizes, compiled into a package
 named by a hash of everything its code depends on, built once per machine (one process at a time,
 under a lock) and loaded by every later start. A build deletes packages of the same kind that no
 start has loaded for PACKAGE_MAX_IDLE_DAYS.
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-logger = logging.getLogger("chunkwise.executor.attention")
+logger = logging.getLogger("chunkwise.executor.kernels")
 
 # Packages nobody has loaded for this long are deleted when a new one of their kind is built:
 # every change of torch, of a kernel's source or of the CPU leaves one behind (~1.5 MB each). Age
@@ -103,10 +103,11 @@ def compile_to_package(program: Any, path: Path, options: dict[str, Any]) -> Non
 
 
 @functools.cache
-def scale_tensor(scale: float) -> torch.Tensor:
-    """`scale` as a 0-d float32 tensor, made once per value: the packages take the attention scale
-    as an input, so that one package serves every model with the same head geometry."""
-    return torch.tensor(scale, dtype=torch.float32)
+def scalar_tensor(value: float) -> torch.Tensor:
+    """`value` as a 0-d float32 tensor, made once per value: the packages take scalars that differ
+    between models (the attention scale, RMSNorm's epsilon) as inputs, so that one package serves
+    every model with the same shapes."""
+    return torch.tensor(value, dtype=torch.float32)
 
 
 def load(path: Path) -> Any:
