@@ -12,6 +12,11 @@ CPU has no bf16 matmul), and may keep its plain weight too, for prefill-sized ba
 follow the HF reference: RMSNorm in float32 then cast back, RoPE angles in float32, logits
 returned as float32.
 
+The residual stream and its normed copy travel together between layers: each residual add is
+one op with the RMSNorm after it (the next layer's input norm, or the final norm), so that with
+compiled element-wise ops (layer_ops.py; the engine sets `layer_ops`) it is one kernel, and so
+is RoPE.
+
 With tensor parallelism (`tp`, see executor_svc/parallel.py) each rank holds num_heads / N query
 heads, num_kv_heads / N KV heads and intermediate_size / N of the MLP: q/k/v and gate/up are
 sliced by output rows, o_proj and down_proj by input columns and summed over the ranks with one
