@@ -25,6 +25,7 @@ by one bf16 step. Each row is computed the same in any batch.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -117,24 +118,24 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def add_rms_norm_package_path(hidden: int, dtype: torch.dtype,
-                              cache_dir: str | os.PathLike[str] | None = None) -> Path:
+def add_rms_norm_package(hidden: int, dtype: torch.dtype,
+                         cache_dir: str | os.PathLike[str] | None = None) -> tuple[str, Path]:
+    """The package's name prefix (its kind and shapes: what pruning groups by) and its path."""
+    prefix = f"add_rms_norm_{_dtype_name(dtype)}_{hidden}"
     key = {"source": [_source(add_rms_norm_reference), _source(rms_norm_reference)], "options": COMPILE_OPTIONS,
            "hidden": hidden, "dtype": str(dtype), "example": EXAMPLE_TOKENS}
-    return aot_package.package_path(f"add_rms_norm_{_dtype_name(dtype)}_{hidden}", key, cache_dir)
+    return prefix, aot_package.package_path(prefix, key, cache_dir)
 
 
-def rotary_package_path(qkv_width: int, rotated_heads: int, head_dim: int, dtype: torch.dtype,
-                        cache_dir: str | os.PathLike[str] | None = None) -> Path:
+def rotary_package(qkv_width: int, rotated_heads: int, head_dim: int, dtype: torch.dtype,
+                   cache_dir: str | os.PathLike[str] | None = None) -> tuple[str, Path]:
+    prefix = f"rotary_{_dtype_name(dtype)}_{qkv_width}_{rotated_heads}x{head_dim}"
     key = {"source": _source(rotary_reference), "options": COMPILE_OPTIONS, "qkv_width": qkv_width,
            "rotated_heads": rotated_heads, "head_dim": head_dim, "dtype": str(dtype), "example": EXAMPLE_TOKENS}
-    return aot_package.package_path(f"rotary_{_dtype_name(dtype)}_{qkv_width}_{rotated_heads}x{head_dim}", key,
-                                    cache_dir)
+    return prefix, aot_package.package_path(prefix, key, cache_dir)
 
 
 def _source(fn) -> str:
-    import inspect
-
     return inspect.getsource(fn)
 
 
@@ -179,14 +180,12 @@ class CompiledLayerOps(LayerOps):
             return
         t0 = time.perf_counter()
         try:
-            norm_path = add_rms_norm_package_path(hidden, dtype, cache_dir)
+            prefix, path = add_rms_norm_package(hidden, dtype, cache_dir)
             self._add_rms_norm, how_norm = aot_package.load_or_build(
-                norm_path, lambda p: _build_add_rms_norm(hidden, dtype, p), "residual add + RMSNorm kernel",
-                norm_path.name.rsplit("_", 1)[0])
-            rotary_path = rotary_package_path(qkv_width, rotated_heads, head_dim, dtype, cache_dir)
+                path, lambda p: _build_add_rms_norm(hidden, dtype, p), "residual add + RMSNorm kernel", prefix)
+            prefix, path = rotary_package(qkv_width, rotated_heads, head_dim, dtype, cache_dir)
             self._rotary, how_rotary = aot_package.load_or_build(
-                rotary_path, lambda p: _build_rotary(qkv_width, rotated_heads, head_dim, dtype, p), "RoPE kernel",
-                rotary_path.name.rsplit("_", 1)[0])
+                path, lambda p: _build_rotary(qkv_width, rotated_heads, head_dim, dtype, p), "RoPE kernel", prefix)
             self._warm_up()
         except Exception as e:  # a broken toolchain shows up here as any kind of error
             self.reason = (f"the element-wise kernels could not be built ({type(e).__name__}: {str(e)[:200]}): "
