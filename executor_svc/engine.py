@@ -339,9 +339,10 @@ class ModelRunner:
         result, _ = self._execute(plan, want_all_logits=False)
         return result
 
-    def execute_shard(self, plan: StepPlan) -> None:
-        """Ranks other than 0: run a plan rank 0 validated and broadcast, without sampling."""
-        self._execute(plan, want_all_logits=False, do_sample=False)
+    def execute_shard(self, plan: StepPlan, want_all_logits: bool = False) -> None:
+        """Ranks other than 0: run a plan rank 0 validated and broadcast, without sampling (and
+        through the last layer on the rows rank 0 keeps: all of them where it wants every logit)."""
+        self._execute(plan, want_all_logits=want_all_logits, do_sample=False)
 
     def execute_with_logits(self, plan: StepPlan) -> tuple[StepResult, dict[str, torch.Tensor]]:
         """Like execute, plus float32 logits [num_tokens, vocab] of every computed position of
@@ -359,7 +360,7 @@ class ModelRunner:
         self._validate(plan)
         if self._ranks is not None:  # valid: every rank runs it (tokens only rank 0 knows spelled out)
             sampled_here = {d.req_id: self._requests[d.req_id].last_sampled for d in plan.running if d.append_sampled}
-            broadcast(("execute", resolve_for_ranks(plan, sampled_here)))
+            broadcast(("execute", resolve_for_ranks(plan, sampled_here), want_all_logits))
         self._apply_state_changes(plan)
         self.last_step_id = plan.step_id
         if not plan.chunks:
@@ -368,7 +369,10 @@ class ModelRunner:
         batch = self._build_batch(plan.chunks)
         self.last_layout = batch.layout
         attend = StepAttention(self.backend, self.kv_cache, batch.layout)
-        hidden = self.model(batch.input_ids, batch.positions, attend)
+        # Only the sampling rows' hidden states leave the model, unless every row's logits are
+        # wanted. Every rank computes the same rows (the plan says which), so shapes agree.
+        keep_rows = None if want_all_logits else torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)
+        hidden = self.model(batch.input_ids, batch.positions, attend, keep_rows)
         for c in plan.chunks:
             st = self._requests[c.req_id]
             st.kv_end = c.end if st.kv_end is None else max(st.kv_end, c.end)
@@ -383,8 +387,7 @@ class ModelRunner:
                 all_logits[c.req_id] = logits[starts[i] : starts[i + 1]].cpu()
             sample_logits = logits[batch.sample_rows] if batch.sample_rows else logits[:0]
         elif batch.sample_rows:
-            rows = torch.tensor(batch.sample_rows, device=self.device)
-            sample_logits = self.model.compute_logits(hidden.index_select(0, rows))
+            sample_logits = self.model.compute_logits(hidden)  # the sampling rows, in order
         else:
             sample_logits = hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32)
 

@@ -292,7 +292,7 @@ def worker_main(config, rank: int, size: int, master_addr: str, master_port: int
             if op == "initialize":
                 runner.initialize(command[1], num_blocks=command[2])
             elif op == "execute":
-                runner.execute_shard(command[1])
+                runner.execute_shard(command[1], command[2])
             elif op == "reset":
                 runner.reset()
             elif op == "stop":

@@ -113,15 +113,20 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, spec.hidden_size, spec.o_bias, dtype, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn,
-                ops: LayerOps) -> torch.Tensor:
+                ops: LayerOps, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """With `keep_rows`, only those rows of the output (every row still writes its K/V)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         # q's and k's heads are adjacent in qkv: rotated in one call, then split as views.
         qk = ops.rotary(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        out = attend(self.layer_idx, q, k, v)
-        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
+        out = attend(self.layer_idx, q, k, v).reshape(t, self.q_size)
+        if keep_rows is not None:
+            out = out.index_select(0, keep_rows)
+            if not keep_rows.numel():  # no row samples: the K/V writes were all this layer owed
+                return out
+        return self.tp.all_reduce(self.o_proj(out))
 
 
 class MLP(nn.Module):
@@ -146,12 +151,19 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec, dtype, device, tp)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn,
-                next_norm: RMSNorm, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+                next_norm: RMSNorm, ops: LayerOps,
+                keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream into this layer; h: x already normed by input_layernorm. Returns
         the stream out of the layer and it normed by `next_norm` (the next layer's input norm,
-        or the final norm): each residual add is one op with the norm that follows it."""
+        or the final norm): each residual add is one op with the norm that follows it. With
+        `keep_rows` (the last layer), everything after attention runs on those rows only."""
         post = self.post_attention_layernorm
-        x, h = ops.add_rms_norm(x, self.self_attn(h, cos, sin, attend, ops), post.weight, post.eps)
+        attn = self.self_attn(h, cos, sin, attend, ops, keep_rows)
+        if keep_rows is not None:
+            x = x.index_select(0, keep_rows)
+            if not keep_rows.numel():
+                return x, x
+        x, h = ops.add_rms_norm(x, attn, post.weight, post.eps)
         return ops.add_rms_norm(x, self.mlp(h), next_norm.weight, next_norm.eps)
 
 
@@ -180,14 +192,22 @@ class LlamaForCausalLM(nn.Module):
         # hands the model compiled ones.
         self.layer_ops: LayerOps = EAGER
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
-        """Final-normed hidden states [T, hidden] for flat token ids / positions [T]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] for flat token ids / positions [T]; with
+        `keep_rows` (int64 row indices), only those rows, in that order.
+
+        Only the rows that sample need hidden states at the end, and after the last layer's
+        attention a row's work (o_proj, the MLP, the norms) touches no other row: so the last
+        layer runs that part on `keep_rows` alone. Every row still writes its K/V in every layer.
+        (llama.cpp does the same with the rows whose outputs are wanted.)"""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # shared by every layer
         h = self.layers[0].input_layernorm(x)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x, h = layer(x, h, cos, sin, attend, next_norm, self.layer_ops)
+            next_norm = self.layers[i + 1].input_layernorm if i < last else self.norm
+            x, h = layer(x, h, cos, sin, attend, next_norm, self.layer_ops, keep_rows if i == last else None)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chunkwise.plan import GREEDY, NewRequestData, ScheduledChunk, StepPlan
+from chunkwise.plan import GREEDY, NewRequestData, RunningRequestDelta, SamplingParams, ScheduledChunk, StepPlan
 from executor_svc.config import cpu_bf16_flags
 from executor_svc.loader import load_model, read_spec
 from executor_svc.models import packed_linear
@@ -315,3 +315,34 @@ def test_bfloat16_runs_close_to_float32(tiny_llama_path):
     assert eager.info.prefill_attention == ("bf16-gemm-eager-softmax" if native else "sdpa")
     _, eager_logits = eager.execute_with_logits(plan)
     assert (eager_logits["r"] - logits["r"]).abs().max() < 0.05
+
+
+def test_the_last_layer_runs_on_the_sampling_rows_only_and_changes_no_value(tiny_llama_path):
+    """`execute` takes the last layer's o_proj and MLP over the rows that sample only (llama.py:
+    `keep_rows`); `execute_with_logits` over every row. Their sampled tokens and logprobs agree, a
+    step where no row samples still writes every row's K/V in the last layer, and the logits of
+    the step after it are those of the whole prompt at once."""
+    sampling = SamplingParams(temperature=0.0, num_logprobs=3)
+    a, b = random_tokens(70, seed=11), random_tokens(45, seed=12)
+    plan = StepPlan(1, new_requests=[NewRequestData("a", a, [0, 1, 2, 3, 4], sampling),
+                                     NewRequestData("b", b, [5, 6, 7], sampling)],
+                    chunks=[ScheduledChunk("a", 0, 70, 0, True), ScheduledChunk("b", 0, 45, 0, True)])
+    runner = make_runner(tiny_llama_path, block_size=16, num_kv_blocks=16)
+    pruned = runner.execute(plan)
+    runner.reset()
+    whole, logits = runner.execute_with_logits(plan)
+    for got, want in zip(pruned.sampled, whole.sampled):
+        assert got.req_id == want.req_id and got.token_id == want.token_id
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert [t for t, _ in got.top_logprobs] == [t for t, _ in want.top_logprobs]
+        last = torch.log_softmax(logits[got.req_id][-1], -1)
+        assert got.logprob == pytest.approx(float(last[got.token_id]), abs=1e-5)
+    # The first 50 positions in a step that samples nothing (no row kept), the rest after, in
+    # blocks no step wrote before (so every key the second step reads, this run wrote).
+    runner.reset()
+    first = StepPlan(1, new_requests=[NewRequestData("a", a, [11, 12, 13, 14, 15], GREEDY)],
+                     chunks=[ScheduledChunk("a", 0, 50, 0, False)])
+    assert runner.execute(first).sampled == []
+    rest = StepPlan(2, running=[RunningRequestDelta("a", [], [])], chunks=[ScheduledChunk("a", 50, 20, 50, True)])
+    _, split = runner.execute_with_logits(rest)
+    torch.testing.assert_close(split["a"], logits["a"][50:], atol=1e-5, rtol=0)
