@@ -203,24 +203,21 @@ class CompiledLayerOps(LayerOps):
             for tokens in (MIN_TOKENS, EXAMPLE_TOKENS + 3):
                 x, delta = _example((tokens, self.hidden), self.dtype, 3), _example((tokens, self.hidden), self.dtype, 4)
                 weight = _example((self.hidden,), self.dtype, 5)
-                got, want = self._run_add_rms_norm(x, delta, weight, 1e-5), add_rms_norm_reference(x, delta, weight, 1e-5)
+                got, want = self.add_rms_norm(x, delta, weight, 1e-5), add_rms_norm_reference(x, delta, weight, 1e-5)
                 if not torch.equal(got[0], want[0]) or not _within_rounding(got[1], want[1]):
                     raise RuntimeError("the compiled residual add + RMSNorm disagrees with the reference")
                 qkv = _example((tokens, self.qkv_width), self.dtype, 6)
                 cos, sin = (_example((tokens, 1, self.head_dim // 2), self.dtype, s) for s in (7, 8))
-                got_r = self._rotary.run([qkv, cos, sin])[0]
+                got_r = self.rotary(qkv, cos, sin, self.rotated_heads, self.head_dim)
                 if not torch.equal(got_r, rotary_reference(qkv, cos, sin, self.rotated_heads, self.head_dim)):
                     raise RuntimeError("the compiled RoPE disagrees with the reference")
-
-    def _run_add_rms_norm(self, x, delta, weight, eps):
-        return tuple(self._add_rms_norm.run([x.contiguous(), delta.contiguous(), weight,
-                                             aot_package.scalar_tensor(eps)]))
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         if x.shape[0] < MIN_TOKENS:
             return add_rms_norm_reference(x, delta, weight, eps)
-        return self._run_add_rms_norm(x, delta, weight, eps)
+        x, h = self._add_rms_norm.run([x.contiguous(), delta.contiguous(), weight, aot_package.scalar_tensor(eps)])
+        return x, h
 
     def rotary(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated_heads: int,
                head_dim: int) -> torch.Tensor:
