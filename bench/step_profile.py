@@ -16,10 +16,12 @@ pits the default (the packed copy alone) against batches of >= 512 rows on a sec
 of the weights (--cpu-plain-weight-min-rows 512); --compare-prefill-pieces likewise pits prefill
 attention in pieces of rows (the default on CPU) against one SDPA call per chunk;
 --compare-prefill-gemm pits bf16 prefill attention as GEMMs (the default where the CPU
-multiplies bf16 natively) against torch's flash SDPA; --compare-prefill-softmax pits that GEMM
-path's compiled softmax (the default) against the eager one; --compare-layer-ops pits the compiled
-element-wise ops between the matmuls (the default: residual add + RMSNorm, RoPE) against eager
-ones; --compare-block-order runs the workload
+multiplies bf16 natively without AMX) against torch's flash SDPA (the default with AMX);
+--compare-prefill-softmax pits that GEMM path's compiled softmax (the default) against the eager
+one; --compare-layer-ops pits the compiled element-wise ops between the matmuls (the default:
+residual add + RMSNorm, RoPE) against eager ones; --compare-row-padding pits steps padded to
+bounded row counts (the default with packed linear layers) against unpadded ones, whose first
+round shows oneDNN compiling a kernel per new row count; --compare-block-order runs the workload
 under two schedulers that keep their block pools across rounds (a warm server's state: from the
 third round on every allocation evicts), one handing blocks out in ascending order (the
 default) and one in the order its free lists give them (bench/block_order.py). Each run reports
@@ -45,8 +47,9 @@ from benchutil import name_paged_kernel_in_profiles, spread, write_json
 from chunkwise.model_source import resolve_model
 from chunkwise.plan import NewRequestData, RunningRequestDelta, SamplingParams, ScheduledChunk, StepPlan
 from chunkwise_tools.loadtest.datasets import random_dataset
-from executor_svc.attention.torch_backend import PREFILL_PIECE_ROWS
-from executor_svc.config import ExecutorConfig
+from executor_svc.attention.prefill_softmax import PrefillSoftmaxKernel
+from executor_svc.attention.torch_backend import PREFILL_GEMM_PIECE_ROWS, PREFILL_PIECE_ROWS
+from executor_svc.config import ExecutorConfig, cpu_bf16_flags
 from executor_svc.engine import ModelRunner
 from executor_svc.models import packed_linear
 from executor_svc.models.layer_ops import EAGER
@@ -82,12 +85,16 @@ COMPARISONS = {
                        "chunk, in interleaved rounds, with the paired ratio", "one-call", "pieces",
                        "one_call_over_pieces"),
     "prefill-gemm": ("two runners, bf16 prefill attention as GEMMs in oneDNN's bf16 float32 mode (the default "
-                     "on CPUs with native bf16) and torch's flash SDPA, in interleaved rounds", "sdpa", "gemm",
-                     "sdpa_over_gemm"),
+                     "on CPUs with AVX512-BF16 and no AMX) and torch's flash SDPA (the default elsewhere), in "
+                     "interleaved rounds", "sdpa", "gemm", "sdpa_over_gemm"),
     "prefill-softmax": ("two runners, the bf16 GEMM prefill path with its compiled softmax (the default) and "
                         "with the eager one, in interleaved rounds", "eager", "compiled", "eager_over_compiled"),
     "layer-ops": ("two runners, the element-wise ops between the matmuls compiled (the default, "
                   "models/layer_ops.py) and eager, in interleaved rounds", "eager", "compiled", "eager_over_compiled"),
+    "row-padding": ("two runners, each step padded to a bounded row count (the default on CPU with packed "
+                    "linear layers: packed_linear.padded_rows) and not, in interleaved rounds; oneDNN's kernels "
+                    "for each row count are per process, so the first round of each shows their compile cost",
+                    "unpadded", "padded", "unpadded_over_padded"),
     "block-order": ("one runner, two schedulers each keeping its block pool across rounds (so that from the "
                     "third round on every allocation evicts), one handing blocks out ascending (the default) "
                     "and one in the order its free lists give them, in interleaved rounds", "as-freed",
@@ -278,6 +285,11 @@ def main(argv=None) -> int:
         runners = {"compiled": runners["default"], "eager": ModelRunner(config)}
     if ns.compare_layer_ops:
         runners = {"compiled": runners["default"], "eager": ModelRunner(config)}
+    if ns.compare_row_padding:
+        runners = {"padded": runners["default"], "unpadded": ModelRunner(config)}
+        if not runners["padded"].pad_rows:
+            raise SystemExit("--compare-row-padding: the default runner does not pad (no packed linear layers here)")
+        runners["unpadded"].pad_rows = False
     if ns.compare_block_order:  # the same runner under two schedulers; each run has its own cache salt
         runners = {"ascending": runners["default"], "as-freed": runners["default"]}
     for r in {id(r): r for r in runners.values()}.values():
@@ -287,16 +299,20 @@ def main(argv=None) -> int:
     if ns.compare_prefill_pieces:
         runners["one-call"].backend.prefill_piece_rows = None
     if ns.compare_prefill_gemm:
-        if not runners["gemm"].backend.prefill_bf16_gemm:
-            raise SystemExit("--compare-prefill-gemm: the default runner does not take the GEMM path "
-                             "(it needs --dtype bfloat16 on a CPU with native bf16)")
+        gemm = runners["gemm"]
+        if gemm.dtype != torch.bfloat16 or not cpu_bf16_flags():
+            raise SystemExit("--compare-prefill-gemm: the GEMM path needs --dtype bfloat16 on a CPU with native bf16")
+        if not gemm.backend.prefill_bf16_gemm:  # this CPU's default is flash SDPA (AMX): force the GEMMs
+            gemm.backend.prefill_bf16_gemm = True
+            gemm.backend.prefill_piece_rows = PREFILL_GEMM_PIECE_ROWS
+            gemm.backend.prefill_softmax = PrefillSoftmaxKernel(gemm.device, ns.enforce_eager)
         runners["sdpa"].backend.prefill_bf16_gemm = False
         runners["sdpa"].backend.prefill_piece_rows = PREFILL_PIECE_ROWS
     if ns.compare_prefill_softmax:
         if runners["compiled"].info.prefill_attention != "bf16-gemm":
             raise SystemExit("--compare-prefill-softmax: the default runner's prefill is "
                              f"{runners['compiled'].info.prefill_attention!r}, not 'bf16-gemm' "
-                             "(it needs --dtype bfloat16 on a CPU with native bf16)")
+                             "(it needs --dtype bfloat16 on a CPU with AVX512-BF16 and no AMX)")
         runners["eager"].backend.prefill_softmax = None
     if ns.compare_layer_ops:
         if runners["compiled"].info.layer_ops != "compiled":

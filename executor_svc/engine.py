@@ -47,10 +47,12 @@ from .attention import (AttentionBackend, BatchLayout, FlexAttentionBackend, Ste
                         select_backend)
 from .attention.paged_decode import PagedDecodeKernel
 from .attention.prefill_softmax import PrefillSoftmaxKernel
+from .attention.torch_backend import prefill_gemm_pays
 from .config import ExecutorConfig, cpu_bf16_flags
 from .kv_cache import KVCache, KVCacheShape, plan_num_blocks
 from .loader import load_model, read_spec
 from .models.layer_ops import CompiledLayerOps
+from .models import packed_linear
 from .models.llama import Linear
 from .parallel import SINGLE, Ranks, TPGroup, broadcast, check_divisible, resolve_for_ranks, threads_per_rank
 from .sampling import new_random_seed, sample
@@ -127,6 +129,11 @@ class _Batch:
     sample_chunks: list[ScheduledChunk]
 
 
+def _padded(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t [T] with zeros appended up to n entries (t itself when T == n)."""
+    return t if t.numel() == n else torch.cat([t, t.new_zeros(n - t.numel())])
+
+
 class ModelRunner:
     """Loads the model at construction; `initialize` allocates the KV cache; `execute` runs steps.
     Not thread-safe: the server runs one call at a time.
@@ -178,8 +185,8 @@ class ModelRunner:
             num_parameters=self.model.num_parameters(),
         )
         # After num_parameters() above: packing frees the plain weights it counts.
-        if self.device.type == "cpu":
-            self._pack_linear_layers(config.cpu_plain_weight_min_rows)
+        # Steps are padded to bounded row counts where oneDNN multiplies (packed_linear.padded_rows).
+        self.pad_rows = self.device.type == "cpu" and self._pack_linear_layers(config.cpu_plain_weight_min_rows)
         # Built (compiled or loaded from inductor's on-disk cache) and checked here, before the
         # server reports ready, so that no request ever waits for a compile.
         self.decode_kernel: PagedDecodeKernel | None = None
@@ -187,9 +194,12 @@ class ModelRunner:
             self.decode_kernel = PagedDecodeKernel(self.num_heads, self.num_kv_heads, self.spec.head_dim,
                                                    self.dtype, self.device, config.enforce_eager)
             logger.info("decode attention: %s", self.decode_kernel.reason)
-        # bf16 prefill as GEMMs where the CPU multiplies bf16 natively (see torch_backend.py),
-        # with the softmax between them compiled, built here for the same reason.
-        self.prefill_bf16_gemm = self.device.type == "cpu" and self.dtype == torch.bfloat16 and bool(cpu_bf16_flags())
+        # bf16 prefill as GEMMs where the CPU multiplies bf16 natively with AVX512-BF16 but has no
+        # AMX (see torch_backend.py), with the softmax between them compiled, built here for the
+        # same reason. With AMX, torch's flash kernel multiplies its tiles on AMX and beats the
+        # GEMM path (seed-shaped run 1.27x, its mixed steps 1.48x; bench/RESULTS.md section 2b).
+        self.prefill_bf16_gemm = self.device.type == "cpu" and self.dtype == torch.bfloat16 and \
+            prefill_gemm_pays(cpu_bf16_flags())
         self.prefill_softmax: PrefillSoftmaxKernel | None = None
         if backend_cls is TorchAttentionBackend and self.prefill_bf16_gemm:
             self.prefill_softmax = PrefillSoftmaxKernel(self.device, config.enforce_eager)
@@ -215,10 +225,10 @@ class ModelRunner:
         self.last_step_id: int | None = None  # the last plan executed since initialize()
         self.last_layout: BatchLayout | None = None  # the last step's layout (debugging, tests)
 
-    def _pack_linear_layers(self, plain_rows: int) -> None:
+    def _pack_linear_layers(self, plain_rows: int) -> bool:
         """oneDNN-packed linear weights, float32 copies of bf16/fp16 ones where this CPU has no
         matmul in their dtype, and plain second copies for batches of >= plain_rows rows (0:
-        none), unless the extra copies would crowd memory (packed_linear.py)."""
+        none), unless the extra copies would crowd memory (packed_linear.py). True if packed."""
         notes = []
         linear_bytes = sum(m.weight.numel() * m.weight.element_size()
                            for m in self.model.modules() if isinstance(m, Linear))
@@ -237,7 +247,7 @@ class ModelRunner:
         if not self.model.pack_linear_weights(plain_rows, widen=reduced and not crowded):
             logger.info("linear layers: F.linear (oneDNN packing unavailable or refused by its self-check)%s",
                         f"; no float32 copies of the {dtype_name} weights: {crowded}" if reduced and crowded else "")
-            return
+            return False
         if self.model.widened_bytes:
             notes.append(f"float32 copies of the {dtype_name} weights "
                          f"({self.model.widened_bytes >> 20} MiB): oneDNN has no matmul in that dtype on this "
@@ -247,7 +257,10 @@ class ModelRunner:
         elif plain_rows:
             notes.append(f"for batches of >= {plain_rows} rows F.linear on a second, plain copy of the weights "
                          f"({self.model.plain_layers} layers, {self.model.plain_bytes >> 20} MiB)")
+        notes.append("each step padded to a bounded row count (a multiple of 8 up to 512, under 1/32 more "
+                     "beyond), so that oneDNN compiles kernels for few")
         logger.info("linear layers: oneDNN with prepacked weights%s", "".join(f"; {n}" for n in notes))
+        return True
 
     # ------------------------------------------------------------------------------ public API
 
@@ -371,8 +384,19 @@ class ModelRunner:
         attend = StepAttention(self.backend, self.kv_cache, batch.layout)
         # Only the sampling rows' hidden states leave the model, unless every row's logits are
         # wanted. Every rank computes the same rows (the plan says which), so shapes agree.
-        keep_rows = None if want_all_logits else torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)
-        hidden = self.model(batch.input_ids, batch.positions, attend, keep_rows)
+        keep = None if want_all_logits else batch.sample_rows
+        input_ids, positions = batch.input_ids, batch.positions
+        if self.pad_rows:
+            # Row counts from a bounded set (packed_linear.padded_rows): the pad rows are token 0
+            # at position 0, attention leaves them out (StepAttention), and the last layer's kept
+            # rows are padded with copies of the first. Every row is computed on its own, so a
+            # real row's values do not depend on the padding.
+            input_ids = _padded(input_ids, packed_linear.padded_rows(input_ids.numel()))
+            positions = _padded(positions, input_ids.numel())
+            if keep:
+                keep = keep + [keep[0]] * (packed_linear.padded_rows(len(keep)) - len(keep))
+        keep_rows = None if keep is None else torch.tensor(keep, dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, positions, attend, keep_rows)
         for c in plan.chunks:
             st = self._requests[c.req_id]
             st.kv_end = c.end if st.kv_end is None else max(st.kv_end, c.end)
@@ -381,13 +405,13 @@ class ModelRunner:
 
         all_logits: dict[str, torch.Tensor] = {}
         if want_all_logits:
-            logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden)[: batch.layout.num_tokens]
             starts = batch.layout.query_start
             for i, c in enumerate(plan.chunks):
                 all_logits[c.req_id] = logits[starts[i] : starts[i + 1]].cpu()
             sample_logits = logits[batch.sample_rows] if batch.sample_rows else logits[:0]
         elif batch.sample_rows:
-            sample_logits = self.model.compute_logits(hidden)  # the sampling rows, in order
+            sample_logits = self.model.compute_logits(hidden)[: len(batch.sample_rows)]  # the sampling rows, in order
         else:
             sample_logits = hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32)
 

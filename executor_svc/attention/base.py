@@ -78,4 +78,14 @@ class StepAttention:
         self.prepared = backend.prepare(layout)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.backend.forward(q, k, v, self.kv_cache.layers[layer_idx], self.layout, self.prepared)
+        n = self.layout.num_tokens
+        layer_cache = self.kv_cache.layers[layer_idx]
+        if q.shape[0] == n:
+            return self.backend.forward(q, k, v, layer_cache, self.layout, self.prepared)
+        # The engine padded the batch past the layout's rows (to a row count its linear layers
+        # have kernels for; packed_linear.padded_rows). Those rows are no tokens: they write no
+        # K/V, attend to nothing, and their output is zero.
+        out = torch.empty_like(q)
+        out[n:].zero_()
+        out[:n] = self.backend.forward(q[:n], k[:n], v[:n], layer_cache, self.layout, self.prepared)
+        return out

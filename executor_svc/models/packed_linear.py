@@ -45,6 +45,25 @@ import torch.nn.functional as F
 ROWS_HINT = 32
 
 
+def padded_rows(num_rows: int) -> int:
+    """The row count a step's batch is padded to on CPU when its linear layers are packed: a
+    multiple of 8 up to 512 rows, then of 16 up to 1024, 32 up to 2048 and so on, so that the pad
+    is under 1/32 of the rows and each doubling of the row count adds 32 row counts at most.
+
+    oneDNN builds (JIT-compiles) a kernel for every new row count it multiplies, and a step's
+    row count is its token count, which changes nearly every step: on a Xeon with AMX a bf16 linear
+    layer of SmolLM2's took 7.2 ms at a row count it had not seen against 0.9-1.3 ms at one it had
+    (~600 rows; 0.9 against 0.1-0.15 ms at ~20 rows), and torch keeps a bounded number of them
+    (1024), fewer than a long-running server meets unpadded (every count up to the token budget,
+    for each layer shape). Padded, a budget of 8192 has 192 row counts. The pad rows cost their
+    share of the step's work (bench/RESULTS.md section 2b; CUDA graph capture sizes bucket a GPU's
+    batches for a similar reason)."""
+    step = 8
+    while 64 * step < num_rows:  # step < num_rows / 32
+        step *= 2
+    return -(-num_rows // step) * step
+
+
 def available(device: torch.device) -> bool:
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))

@@ -520,6 +520,14 @@ def test_flash_attn_runner_matches_transformers(tiny_checkpoint):
     assert (logits["a"] - ref[200:]).abs().max() < 0.25
 
 
+def test_bf16_prefill_takes_the_gemm_path_with_avx512_bf16_and_without_amx():
+    from executor_svc.attention.torch_backend import prefill_gemm_pays
+
+    assert prefill_gemm_pays(["avx512_bf16"])
+    assert not prefill_gemm_pays(["avx512_bf16", "amx_bf16"])  # torch's flash kernel multiplies on AMX
+    assert not prefill_gemm_pays(["amx_bf16"]) and not prefill_gemm_pays([])
+
+
 @pytest.mark.parametrize("softmax", ["compiled", "eager"])
 @pytest.mark.parametrize("piece_rows, max_keys", [(None, None), (5, None), (5, 30)])
 def test_bf16_prefill_as_gemms_within_bf16_rounding_and_no_worse_than_sdpa(piece_rows, max_keys, softmax,

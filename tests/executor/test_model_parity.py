@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from chunkwise.plan import GREEDY, NewRequestData, RunningRequestDelta, SamplingParams, ScheduledChunk, StepPlan
+from executor_svc.attention.torch_backend import prefill_gemm_pays
 from executor_svc.config import cpu_bf16_flags
 from executor_svc.loader import load_model, read_spec
 from executor_svc.models import packed_linear
@@ -75,7 +76,8 @@ def test_full_prompt_logits_match_transformers_without_packed_weights(tiny_check
 def test_large_batches_on_the_plain_weights_match_transformers(tiny_checkpoint, variant, monkeypatch):
     # With --cpu-plain-weight-min-rows every linear layer keeps both copies: the 150-row prefill
     # goes through F.linear on the plain weights; the packed ones see only lm_head (over all 150
-    # rows here, for the logits compared) and packing's own 3-row self-checks.
+    # rows here, for the logits compared, padded to 152 as the whole step is: padded_rows) and
+    # packing's own 3-row self-checks.
     packed_rows = []
     real = packed_linear.linear
     monkeypatch.setattr(packed_linear, "linear", lambda x, p, bias: packed_rows.append(x.shape[0]) or real(x, p, bias))
@@ -83,7 +85,8 @@ def test_large_batches_on_the_plain_weights_match_transformers(tiny_checkpoint, 
     path = tiny_checkpoint(arch, **overrides)
     tokens = random_tokens(150, seed=7)
     _, ours = full_prompt_logits(path, tokens, cpu_plain_weight_min_rows=64)
-    assert packed_rows.count(150) == 1 and set(packed_rows) == {3, 150}
+    assert packed_linear.padded_rows(150) == 152
+    assert packed_rows.count(152) == 1 and set(packed_rows) == {3, 152}
     torch.testing.assert_close(ours, hf_logits(load_reference(path), tokens), atol=ATOL, rtol=0)
     # The threshold splits the same layer: one row below it goes to the packed copy, and agrees.
     runner = make_runner(path, block_size=16, num_kv_blocks=16, cpu_plain_weight_min_rows=64)
@@ -300,8 +303,9 @@ def test_bfloat16_runs_close_to_float32(tiny_llama_path):
     runner = make_runner(tiny_llama_path, block_size=16, num_kv_blocks=8, dtype="bfloat16")
     assert runner.info.dtype == "bfloat16"
     assert runner.kv_cache.layers[0].dtype == torch.bfloat16
-    # Prefill as GEMMs with the compiled softmax where the CPU multiplies bf16 natively.
-    native = bool(cpu_bf16_flags())
+    # Prefill as GEMMs with the compiled softmax where the CPU multiplies bf16 natively without
+    # AMX (torch_backend.prefill_gemm_pays); torch's flash kernel elsewhere.
+    native = prefill_gemm_pays(cpu_bf16_flags())
     assert runner.info.prefill_attention == ("bf16-gemm" if native else "sdpa")
     plan = StepPlan(1, new_requests=[NewRequestData("r", tokens, [3, 1, 4, 0], GREEDY)],
                     chunks=[ScheduledChunk("r", 0, 60, 0, True)])
@@ -346,3 +350,52 @@ def test_the_last_layer_runs_on_the_sampling_rows_only_and_changes_no_value(tiny
     rest = StepPlan(2, running=[RunningRequestDelta("a", [], [])], chunks=[ScheduledChunk("a", 50, 20, 50, True)])
     _, split = runner.execute_with_logits(rest)
     torch.testing.assert_close(split["a"], logits["a"][50:], atol=1e-5, rtol=0)
+
+
+def test_steps_padded_to_row_buckets_compute_what_unpadded_steps_do(tiny_llama_path, monkeypatch):
+    """On CPU with packed linear layers each step runs padded to a bounded row count
+    (packed_linear.padded_rows: oneDNN compiles a kernel per row count). The pad rows write no K/V
+    and leave no trace: tokens, logprobs, logits and the KV cache equal an unpadded runner's."""
+    assert [packed_linear.padded_rows(n) for n in (1, 8, 9, 97, 512, 513, 1000, 1024, 1025, 4000)] == \
+        [8, 8, 16, 104, 512, 528, 1008, 1024, 1056, 4032]
+    assert len({packed_linear.padded_rows(n) for n in range(1, 8193)}) == 192
+    rows_seen = []
+    real = packed_linear.linear
+    monkeypatch.setattr(packed_linear, "linear", lambda x, p, bias: rows_seen.append(x.shape[0]) or real(x, p, bias))
+    sampling = SamplingParams(temperature=0.0, num_logprobs=3)
+    a, b, c = random_tokens(70, seed=21), random_tokens(45, seed=22), random_tokens(5, seed=23)
+    first = StepPlan(1, new_requests=[NewRequestData("a", a, [0, 1, 2, 3, 4], sampling),
+                                      NewRequestData("b", b, [5, 6, 7], sampling)],
+                     chunks=[ScheduledChunk("a", 0, 70, 0, True), ScheduledChunk("b", 0, 40, 0, False)])
+    padded, plain = (make_runner(tiny_llama_path, block_size=16, num_kv_blocks=16) for _ in range(2))
+    assert padded.pad_rows
+    plain.pad_rows = False
+    results = {}
+    for name, runner in (("padded", padded), ("plain", plain)):
+        rows_seen.clear()
+        one = runner.execute(first)
+        # A decode, the rest of b's prompt, and a new request that samples: 1 + 5 + 5 rows.
+        second = StepPlan(2, new_requests=[NewRequestData("c", c, [8], sampling)],
+                          running=[RunningRequestDelta("a", [], [], append_sampled=True),
+                                   RunningRequestDelta("b", [], [])],
+                          chunks=[ScheduledChunk("a", 70, 1, 70, True), ScheduledChunk("b", 40, 5, 40, True),
+                                  ScheduledChunk("c", 0, 5, 0, True)], follows_step_id=1)
+        two, logits = runner.execute_with_logits(second)
+        three = runner.execute(StepPlan(3, running=[RunningRequestDelta("c", [], [], append_sampled=True)],
+                                        chunks=[ScheduledChunk("c", 5, 1, 5, True)], follows_step_id=2))
+        results[name] = (one.sampled + two.sampled + three.sampled, logits, runner.kv_cache.layers, list(rows_seen))
+    (got, got_logits, got_kv, got_rows), (want, want_logits, want_kv, want_rows) = results["padded"], results["plain"]
+    # What the linear layers saw: 110 rows -> 112 (the last layer: 1 sampling row -> 8), 11 -> 16
+    # (execute_with_logits keeps every row), 1 -> 8; unpadded, the counts themselves.
+    assert set(got_rows) == {112, 8, 16} and set(want_rows) == {110, 1, 11}
+    assert [(s.req_id, s.token_id) for s in got] == [(s.req_id, s.token_id) for s in want]
+    for g, w in zip(got, want):
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-5)
+        assert [t for t, _ in g.top_logprobs] == [t for t, _ in w.top_logprobs]
+    for req in ("a", "b", "c"):
+        assert got_logits[req].shape == want_logits[req].shape
+        torch.testing.assert_close(got_logits[req], want_logits[req], atol=1e-5, rtol=0)
+    # Block 15 was never handed out: no pad row wrote into it (or anywhere else).
+    for g, w in zip(got_kv, want_kv):
+        torch.testing.assert_close(g[:, :9], w[:, :9], atol=1e-5, rtol=0)
+        assert not g[:, 9:].any() and not w[:, 9:].any()
