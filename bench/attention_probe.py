@@ -84,6 +84,7 @@ def chunkwise_round(dtype_name: str, repeats: int, kernels: dict) -> dict[str, d
     from executor_svc.attention import BatchLayout, StepAttention, TorchAttentionBackend
     from executor_svc.attention.paged_decode import PagedDecodeKernel
     from executor_svc.attention.prefill_softmax import PrefillSoftmaxKernel
+    from executor_svc.attention.torch_backend import prefill_gemm_pays
     from executor_svc.config import cpu_bf16_flags
     from executor_svc.kv_cache import KVCache, KVCacheShape
 
@@ -92,9 +93,9 @@ def chunkwise_round(dtype_name: str, repeats: int, kernels: dict) -> dict[str, d
         kernels[dtype] = PagedDecodeKernel(H, KVH, D, dtype, torch.device("cpu"), enforce_eager=False)
         assert kernels[dtype].ready, kernels[dtype].reason
     # The default column as the executor builds it (executor_svc/engine.py): bf16 prefill as
-    # GEMMs where the CPU has native bf16, with the compiled softmax between them; the eager
-    # column keeps SDPA.
-    bf16_gemm = dtype == torch.bfloat16 and bool(cpu_bf16_flags())
+    # GEMMs where the CPU has AVX512-BF16 and no AMX, with the compiled softmax between them;
+    # the eager column keeps SDPA.
+    bf16_gemm = dtype == torch.bfloat16 and prefill_gemm_pays(cpu_bf16_flags())
     softmax = None
     if bf16_gemm:
         if "prefill_softmax" not in kernels:

@@ -12,6 +12,7 @@ from executor_svc.sampling import (
     apply_min_p,
     apply_top_k,
     apply_top_p,
+    first_argmax,
     mix_seed,
     processed_logits,
     sample,
@@ -183,3 +184,17 @@ def test_runner_logprobs_match_logits(tiny_llama_path):
     ref = torch.log_softmax(d.reqs["x"].logits[11], dim=-1)
     assert s.logprob == pytest.approx(ref[s.token_id].item(), abs=1e-5)
     assert [t for t, _ in s.top_logprobs] == ref.topk(3).indices.tolist()
+
+
+def test_first_argmax_is_argmax_with_ties_nan_and_infinities():
+    x = torch.randn(8, 49152, generator=torch.Generator().manual_seed(0))
+    x[1, 100] = x[1, 7] = x[1].max() + 1  # a tie: the first one
+    x[2, 9] = float("nan")  # NaN counts as maximal
+    x[3] = 0.0  # all equal: index 0
+    x[4] = float("-inf")
+    x[4, 4000] = float("-inf")
+    x[5, 30000] = float("inf")
+    x[6, -1] = x[6].max() + 1  # the last entry
+    got = first_argmax(x)
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert got[:7].tolist() == [int(x[0].argmax()), 7, 9, 0, 0, 30000, 49151]
