@@ -219,9 +219,9 @@ def executor_decode_step(dtype: str, batch=32, ctx=700, repeats=5) -> dict:
             state[s.req_id][1] = s.token_id
 
     step_ms = time_passes(one_step, repeats)
-    from benchutil import name_paged_kernel_in_profiles
+    from benchutil import name_compiled_kernels_in_profiles
 
-    name_paged_kernel_in_profiles()  # else the kernel's time is missing from the profile
+    name_compiled_kernels_in_profiles()  # else the kernel's time is missing from the profile
     with torch.profiler.profile() as prof:
         one_step()
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)

@@ -42,7 +42,7 @@ import time
 from collections import defaultdict
 
 import torch
-from benchutil import name_paged_kernel_in_profiles, spread, write_json
+from benchutil import name_compiled_kernels_in_profiles, spread, write_json
 
 from chunkwise.model_source import resolve_model
 from chunkwise.plan import NewRequestData, RunningRequestDelta, SamplingParams, ScheduledChunk, StepPlan
@@ -59,17 +59,19 @@ from scheduler_svc.core.scheduler import Scheduler
 
 # Operator families of the profile, matched on the op name (first match wins).
 FAMILIES = (
-    # The paged decode kernel runs from an AOTInductor package, which the profiler does not see:
-    # benchutil.name_paged_kernel_in_profiles() wraps its calls in a record_function of this name.
+    # The compiled kernels run from AOTInductor packages, which the profiler does not see:
+    # benchutil.name_compiled_kernels_in_profiles() wraps their calls in record_functions.
     ("attention: paged decode kernel", ("paged_decode_kernel",)),
     ("attention: sdpa", ("scaled_dot_product", "_flash_attention")),
+    ("attention: prefill GEMMs' softmax", ("prefill_softmax_kernel",)),
     # mkldnn::_linear_pointwise: the linear layers on oneDNN's prepacked weights (packed_linear.py).
     ("matmul", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm", "mkldnn::_linear")),
     ("kv write / gather", ("index_copy", "index_select", "aten::index")),
-    ("norm / rope / silu / elementwise", ("aten::mul", "aten::add", "aten::rsqrt", "aten::pow", "aten::mean",
+    ("norm / rope / silu / elementwise", ("add_rms_norm_kernel", "rotary_kernel",
+                                          "aten::mul", "aten::add", "aten::rsqrt", "aten::pow", "aten::mean",
                                           "aten::silu", "aten::neg", "aten::cat", "aten::to", "aten::copy_",
                                           "aten::_to_copy", "aten::sub", "aten::div")),
-    ("sampling", ("argmax", "softmax", "log_softmax", "topk", "sort", "multinomial", "gather")),
+    ("sampling", ("argmax", "aten::max", "softmax", "log_softmax", "topk", "sort", "multinomial", "gather")),
 )
 
 
@@ -295,7 +297,7 @@ def main(argv=None) -> int:
     for r in {id(r): r for r in runners.values()}.values():
         r.initialize(16)
     if ns.profile:
-        name_paged_kernel_in_profiles()
+        name_compiled_kernels_in_profiles()
     if ns.compare_prefill_pieces:
         runners["one-call"].backend.prefill_piece_rows = None
     if ns.compare_prefill_gemm:
