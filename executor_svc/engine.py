@@ -51,8 +51,8 @@ from .attention.torch_backend import prefill_gemm_pays
 from .config import ExecutorConfig, cpu_bf16_flags
 from .kv_cache import KVCache, KVCacheShape, plan_num_blocks
 from .loader import load_model, read_spec
-from .models.layer_ops import CompiledLayerOps
 from .models import packed_linear
+from .models.layer_ops import CompiledLayerOps
 from .models.llama import Linear
 from .parallel import SINGLE, Ranks, TPGroup, broadcast, check_divisible, resolve_for_ranks, threads_per_rank
 from .sampling import new_random_seed, sample

@@ -64,9 +64,9 @@ PREFILL_GEMM_PIECE_ROWS = 128
 def prefill_gemm_pays(cpu_flags: list[str]) -> bool:
     """Whether bf16 prefill takes the GEMM path on a CPU with these native-bf16 flags
     (config.cpu_bf16_flags): with AVX512-BF16 and no AMX. With AMX (amx_bf16), torch's flash
-    kernel packs its key and value tiles for AMX and multiplies them there, and on a Sapphire
-    Rapids-class Xeon the seed-shaped run was 1.27x faster on it than on the GEMM path, its mixed
-    steps 1.48x (bench/RESULTS.md section 2b)."""
+    kernel packs its key and value tiles for AMX and multiplies them there, and on a Xeon with
+    AMX the seed-shaped run was 1.27x faster on it than on the GEMM path, its mixed steps 1.48x
+    (bench/RESULTS.md section 2b)."""
     return "avx512_bf16" in cpu_flags and "amx_bf16" not in cpu_flags
 
 

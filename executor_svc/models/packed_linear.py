@@ -53,9 +53,9 @@ def padded_rows(num_rows: int) -> int:
     oneDNN builds (JIT-compiles) a kernel for every new row count it multiplies, and a step's
     row count is its token count, which changes nearly every step: on a Xeon with AMX a bf16 linear
     layer of SmolLM2's took 7.2 ms at a row count it had not seen against 0.9-1.3 ms at one it had
-    (~600 rows; 0.9 against 0.1-0.15 ms at ~20 rows), and torch keeps a bounded number of them
-    (1024), fewer than a long-running server meets unpadded (every count up to the token budget,
-    for each layer shape). Padded, a budget of 8192 has 192 row counts. The pad rows cost their
+    (~600 rows; 0.9 against 0.1-0.15 ms at ~20 rows), and oneDNN's primitive cache keeps 1024
+    by default, fewer than a long-running server meets unpadded (every count up to the token
+    budget, for each layer shape). Padded, a budget of 8192 has 192 row counts. The pad rows cost their
     share of the step's work (bench/RESULTS.md section 2b; CUDA graph capture sizes bucket a GPU's
     batches for a similar reason)."""
     step = 8
