@@ -66,6 +66,25 @@ def not_compiled_reason(device: torch.device, enforce_eager: bool) -> str | None
     return "--enforce-eager" if enforce_eager else compiler_unavailable_reason(device)
 
 
+def start_kernels(what: str, fallback: str, device: torch.device, enforce_eager: bool,
+                  load: Callable[[], str]) -> tuple[bool, str]:
+    """The start-up every compiled-kernel class shares: unless compiling is off here, run `load`
+    (load or build the class's packages and check them; it returns how they came, as
+    `load_or_build` says it). Returns (True, "<how> in <seconds> s") or (False, why not, ending
+    with `fallback`, the path the caller takes instead). A failure is logged as a warning."""
+    why = not_compiled_reason(device, enforce_eager)
+    if why is not None:
+        return False, f"{why}: {fallback}"
+    t0 = time.perf_counter()
+    try:
+        how = load()
+    except Exception as e:  # a broken toolchain shows up here as any kind of error
+        reason = f"{what} could not be built ({type(e).__name__}: {str(e)[:200]}): {fallback}"
+        logger.warning("%s", reason)
+        return False, reason
+    return True, f"{how} in {time.perf_counter() - t0:.1f} s"
+
+
 def package_path(prefix: str, key: dict[str, Any], cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Where the package `prefix`_<hash>.pt2 lives. The hash covers `key` (the kernel's source,
     options, geometry), torch, and the CPU: inductor compiles with -march=native, so a cache

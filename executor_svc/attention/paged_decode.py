@@ -31,9 +31,7 @@ does not own (even NaN) is never read, and the values need no mask of their own.
 from __future__ import annotations
 
 import inspect
-import logging
 import os
-import time
 import zipfile
 from pathlib import Path
 
@@ -42,7 +40,6 @@ import torch.nn.functional as F
 
 from .. import aot_package
 
-logger = logging.getLogger("chunkwise.executor.attention")
 
 # Rows and keys are padded to at least this many, so that no dynamic size is 0 or 1.
 MIN_PADDED = 2
@@ -175,29 +172,20 @@ class PagedDecodeKernel:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, enforce_eager: bool, cache_dir: str | os.PathLike[str] | None = None):
-        self.ready = False
-        self.compile_s = 0.0
         self.package: Path | None = None
-        why = aot_package.not_compiled_reason(device, enforce_eager)
-        if why is not None:
-            self.reason = f"{why}: using folded-query SDPA over gathered blocks"
-            return
-        t0 = time.perf_counter()
-        try:
+
+        def load() -> str:
             self.package = package_path(num_heads, num_kv_heads, head_dim, dtype, cache_dir)
             # `_build` looked up at the call, so that tests can stand in for the compiler.
             self._runner, how = aot_package.load_or_build(
                 self.package, lambda path: _build(path, num_heads, num_kv_heads, head_dim, dtype),
                 "paged decode kernel", PACKAGE_KIND)
             self._warm_up(num_heads, num_kv_heads, head_dim, dtype, device)
-        except Exception as e:  # a broken toolchain shows up here as any kind of error
-            self.reason = f"the paged decode kernel could not be built ({type(e).__name__}: {str(e)[:200]}): " \
-                          "using folded-query SDPA over gathered blocks"
-            logger.warning("%s", self.reason)
-            return
-        self.compile_s = time.perf_counter() - t0
-        self.ready = True
-        self.reason = f"paged decode kernel, AOTInductor-compiled ({how} in {self.compile_s:.1f} s: {self.package})"
+            return how
+
+        self.ready, detail = aot_package.start_kernels(
+            "the paged decode kernel", "using folded-query SDPA over gathered blocks", device, enforce_eager, load)
+        self.reason = f"paged decode kernel, AOTInductor-compiled ({detail}: {self.package})" if self.ready else detail
 
     def _warm_up(self, h: int, kvh: int, d: int, dtype: torch.dtype, device: torch.device) -> None:
         # Two different shapes, one of them the smallest a call can have, each checked against

@@ -20,16 +20,13 @@ Inductor fuses them into two passes (the max; then exp, store and sum) with its 
 from __future__ import annotations
 
 import inspect
-import logging
 import os
-import time
 from pathlib import Path
 
 import torch
 
 from .. import aot_package
 
-logger = logging.getLogger("chunkwise.executor.attention")
 
 # Rows and keys of the export's example (the sizes inductor plans its loops by): a 96-row piece
 # of SmolLM2 (9 query heads folded into 3 KV heads' rows: 3 x 3 x 96) over a 512-key context.
@@ -83,25 +80,18 @@ class PrefillSoftmaxKernel:
 
     def __init__(self, device: torch.device, enforce_eager: bool,
                  cache_dir: str | os.PathLike[str] | None = None):
-        self.ready = False
         self.package: Path | None = None
-        why = aot_package.not_compiled_reason(device, enforce_eager)
-        if why is not None:
-            self.reason = f"{why}: eager softmax"
-            return
-        t0 = time.perf_counter()
-        try:
+
+        def load() -> str:
             self.package = package_path(cache_dir)
             self._runner, how = aot_package.load_or_build(self.package, _build, "prefill softmax kernel",
                                                           PACKAGE_KIND)
             self._warm_up()
-        except Exception as e:  # a broken toolchain shows up here as any kind of error
-            self.reason = f"the prefill softmax kernel could not be built ({type(e).__name__}: {str(e)[:200]}): " \
-                          "eager softmax"
-            logger.warning("%s", self.reason)
-            return
-        self.ready = True
-        self.reason = f"compiled softmax ({how} in {time.perf_counter() - t0:.1f} s)"
+            return how
+
+        self.ready, detail = aot_package.start_kernels("the prefill softmax kernel", "eager softmax", device,
+                                                       enforce_eager, load)
+        self.reason = f"compiled softmax ({detail})" if self.ready else detail
 
     def _warm_up(self) -> None:
         # Two shapes, the smallest and a typical one, with masked keys as the path has them,

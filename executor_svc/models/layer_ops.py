@@ -26,9 +26,7 @@ by one bf16 step. Each row is computed the same in any batch.
 from __future__ import annotations
 
 import inspect
-import logging
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -37,7 +35,6 @@ import torch.nn.functional as F
 from .. import aot_package
 from .rope import apply_rotary
 
-logger = logging.getLogger("chunkwise.executor.kernels")
 
 # Token counts of the exports' examples and the least a package takes (the compiler specialises 0 and 1).
 EXAMPLE_TOKENS = 64
@@ -171,15 +168,10 @@ class CompiledLayerOps(LayerOps):
 
     def __init__(self, hidden: int, qkv_width: int, rotated_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, enforce_eager: bool, cache_dir: str | os.PathLike[str] | None = None):
-        self.ready = False
         self.hidden, self.qkv_width, self.rotated_heads, self.head_dim = hidden, qkv_width, rotated_heads, head_dim
         self.dtype = dtype
-        why = aot_package.not_compiled_reason(device, enforce_eager)
-        if why is not None:
-            self.reason = f"{why}: eager element-wise ops"
-            return
-        t0 = time.perf_counter()
-        try:
+
+        def load() -> str:
             prefix, path = add_rms_norm_package(hidden, dtype, cache_dir)
             self._add_rms_norm, how_norm = aot_package.load_or_build(
                 path, lambda p: _build_add_rms_norm(hidden, dtype, p), "residual add + RMSNorm kernel", prefix)
@@ -187,14 +179,11 @@ class CompiledLayerOps(LayerOps):
             self._rotary, how_rotary = aot_package.load_or_build(
                 path, lambda p: _build_rotary(qkv_width, rotated_heads, head_dim, dtype, p), "RoPE kernel", prefix)
             self._warm_up()
-        except Exception as e:  # a broken toolchain shows up here as any kind of error
-            self.reason = (f"the element-wise kernels could not be built ({type(e).__name__}: {str(e)[:200]}): "
-                           "eager element-wise ops")
-            logger.warning("%s", self.reason)
-            return
-        self.ready = True
-        how = how_norm if how_norm == how_rotary else f"{how_norm} and {how_rotary}"
-        self.reason = f"compiled residual add + RMSNorm and RoPE ({how} in {time.perf_counter() - t0:.1f} s)"
+            return how_norm if how_norm == how_rotary else f"{how_norm} and {how_rotary}"
+
+        self.ready, detail = aot_package.start_kernels("the element-wise kernels", "eager element-wise ops", device,
+                                                       enforce_eager, load)
+        self.reason = f"compiled residual add + RMSNorm and RoPE ({detail})" if self.ready else detail
 
     def _warm_up(self) -> None:
         # The smallest and a typical token count, each checked against the reference before the
