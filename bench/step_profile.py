@@ -19,7 +19,8 @@ attention in pieces of rows (the default on CPU) against one SDPA call per chunk
 multiplies bf16 natively without AMX) against torch's flash SDPA (the default with AMX);
 --compare-prefill-softmax pits that GEMM path's compiled softmax (the default) against the eager
 one; --compare-layer-ops pits the compiled element-wise ops between the matmuls (the default:
-residual add + RMSNorm, RoPE) against eager ones; --compare-row-padding pits steps padded to
+residual add + RMSNorm, RoPE) against eager ones; --compare-silu-mul pits the MLPs' silu * up in
+the packed matmuls' epilogues (the default) against one gate/up matmul and eager silu * up; --compare-row-padding pits steps padded to
 bounded row counts (the default with packed linear layers) against unpadded ones, whose first
 round shows oneDNN compiling a kernel per new row count; --compare-block-order runs the workload
 under two schedulers that keep their block pools across rounds (a warm server's state: from the
@@ -93,6 +94,9 @@ COMPARISONS = {
                         "with the eager one, in interleaved rounds", "eager", "compiled", "eager_over_compiled"),
     "layer-ops": ("two runners, the element-wise ops between the matmuls compiled (the default, "
                   "models/layer_ops.py) and eager, in interleaved rounds", "eager", "compiled", "eager_over_compiled"),
+    "silu-mul": ("two runners, the MLPs' gate/up halves packed apart with silu and the product in the matmuls' "
+                 "epilogues (the default with packed linear layers: packed_linear.silu_mul) and one packed gate/up "
+                 "matmul with eager silu * up after it, in interleaved rounds", "eager", "fused", "eager_over_fused"),
     "row-padding": ("two runners, each step padded to a bounded row count (the default on CPU with packed "
                     "linear layers: packed_linear.padded_rows) and not, in interleaved rounds; oneDNN's kernels "
                     "for each row count are per process, so the first round of each shows their compile cost",
@@ -276,6 +280,11 @@ def main(argv=None) -> int:
         available, packed_linear.available = packed_linear.available, lambda device: False
         runners["F.linear"] = ModelRunner(config)
         packed_linear.available = available
+    if ns.compare_silu_mul:  # a second runner whose MLPs pack gate/up as one weight, silu * up eager
+        runners = {"fused": runners["default"]}
+        pack_pair, packed_linear.pack_silu_mul = packed_linear.pack_silu_mul, lambda weight, bias=None, widen=True: None
+        runners["eager"] = ModelRunner(config)
+        packed_linear.pack_silu_mul = pack_pair
     if ns.compare_prefill_pieces:
         runners = {"pieces": runners["default"], "one-call": ModelRunner(config)}
     if ns.compare_plain_weights:

@@ -8,9 +8,10 @@ the paged KV cache and the attention backend), so this module knows nothing abou
 q/k/v and gate/up projections are fused into single matmuls; the loader slices the checkpoint's
 separate tensors into them. On CPU, once loaded, every linear weight (and lm_head) is repacked
 for oneDNN (`pack_linear_weights`, packed_linear.py; as float32 copies of bf16 weights where the
-CPU has no bf16 matmul), and may keep its plain weight too, for prefill-sized batches. Numerics
-follow the HF reference: RMSNorm in float32 then cast back, RoPE angles in float32, logits
-returned as float32.
+CPU has no bf16 matmul), and may keep its plain weight too, for prefill-sized batches; the MLP's
+gate/up weight is packed as two halves whose matmuls apply silu * up in their epilogues
+(`GateUpSiluMul`). Numerics follow the HF reference: RMSNorm in float32 then cast back, RoPE
+angles in float32, logits returned as float32.
 
 The residual stream and its normed copy travel together between layers: each residual add is
 one op with the RMSNorm after it (the next layer's input norm, or the final norm), so that with
@@ -62,23 +63,71 @@ class Linear(nn.Module):
         """Copy the weight into oneDNN's prepacked layout (packed_linear.py) and free the plain
         copy, unless `plain_min_rows` keeps it for batches of that many rows and more; False
         (nothing changed) where packing is not possible. `widen`: see packed_linear.pack."""
-        packed = packed_linear.pack(self.weight, self.bias, widen)
-        if packed is None:
+        if not self._pack_copies(widen):
             return False
-        if packed.dtype != self.weight.dtype:
+        assert self.packed is not None
+        if self.packed.dtype != self.weight.dtype:
             plain_min_rows = 0  # a widened copy is the fast one at every batch size
-        self.packed = packed
-        # Converted once here, not in every call (it is the bias itself when the dtypes agree).
-        self.packed_bias = None if self.bias is None else self.bias.to(packed.dtype)
         self.plain_min_rows = plain_min_rows
         if not plain_min_rows:
             self.weight.data = self.weight.data.new_empty(0)  # only the packed copy is read from now on
         return True
 
+    def _pack_copies(self, widen: bool) -> bool:
+        packed = packed_linear.pack(self.weight, self.bias, widen)
+        if packed is None:
+            return False
+        self.packed = packed
+        # Converted once here, not in every call (it is the bias itself when the dtypes agree).
+        self.packed_bias = None if self.bias is None else self.bias.to(packed.dtype)
+        return True
+
+    def packed_copies(self) -> list[torch.Tensor]:
+        return [] if self.packed is None else [self.packed]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and not (self.plain_min_rows and x.shape[0] >= self.plain_min_rows):
             return packed_linear.linear(x, self.packed, self.packed_bias)
         return F.linear(x, self.weight, self.bias)
+
+
+class GateUpSiluMul(Linear):
+    """An MLP's gate and up projections as one [2n, in] weight (gate rows first), returning
+    silu(gate) * up [T, n], the MLP's activation included.
+
+    Packed in bf16 or fp16 (CPU), the halves are packed apart and multiplied as two matmuls
+    whose epilogues do the element-wise work (packed_linear.silu_mul): in bf16 on a Xeon with
+    AMX 1.14-1.21x faster than the [T, 2n] matmul with eager silu and mul after it at 32-1024
+    rows in isolation, the seed workload's mixed steps 1.04x (bench/RESULTS.md section 2b). In
+    float32 (and float32 copies of bf16 weights) it was no faster over the workload (decode-sized
+    batches 5% slower, prefill-sized ones faster), so there, as everywhere else (no packing, a
+    refused pair, or the plain weight kept for large batches), one matmul and then silu * up."""
+
+    def __init__(self, in_features: int, intermediate: int, bias: bool, dtype: torch.dtype, device: torch.device):
+        super().__init__(in_features, 2 * intermediate, bias, dtype, device)
+        self.intermediate = intermediate
+        # With the halves packed apart: `packed` is the gate's, these the up projection's.
+        self.up_packed: torch.Tensor | None = None
+        self.up_packed_bias: torch.Tensor | None = None
+
+    def _pack_copies(self, widen: bool) -> bool:
+        reduced = self.weight.dtype in (torch.bfloat16, torch.float16)
+        pair = packed_linear.pack_silu_mul(self.weight, self.bias, widen=False) if reduced else None
+        if pair is None:  # the whole weight packed as one, silu * up eager
+            return super()._pack_copies(widen)
+        (self.packed, self.up_packed), (self.packed_bias, self.up_packed_bias) = pair
+        return True
+
+    def packed_copies(self) -> list[torch.Tensor]:
+        return super().packed_copies() + ([] if self.up_packed is None else [self.up_packed])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plain = self.plain_min_rows and x.shape[0] >= self.plain_min_rows
+        if self.up_packed is not None and not plain:
+            assert self.packed is not None
+            return packed_linear.silu_mul(x, self.packed, self.up_packed, self.packed_bias, self.up_packed_bias)
+        gate, up = super().forward(x).split(self.intermediate, dim=-1)
+        return F.silu(gate) * up
 
 
 class Embedding(nn.Module):
@@ -134,12 +183,12 @@ class MLP(nn.Module):
         super().__init__()
         self.tp = tp
         self.intermediate_size = spec.intermediate_size // tp.size  # this rank's part
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * self.intermediate_size, spec.mlp_bias, dtype, device)
+        # gate and up as one matmul (or two with fused epilogues), the activation included.
+        self.gate_up_proj = GateUpSiluMul(spec.hidden_size, self.intermediate_size, spec.mlp_bias, dtype, device)
         self.down_proj = Linear(self.intermediate_size, spec.hidden_size, spec.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -234,7 +283,7 @@ class LlamaForCausalLM(nn.Module):
         self.plain_layers = len(kept)
         self.plain_bytes = sum(m.weight.numel() * m.weight.element_size() for m in kept)
         self.lm_head_packed = packed_linear.pack(self.lm_head_weight, None, widen)
-        copies = [m.packed for m in linears] + [self.lm_head_packed]
+        copies = [p for m in linears for p in m.packed_copies()] + [self.lm_head_packed]
         self.widened_bytes = sum(p.numel() * p.element_size() for p in copies if p is not None and p.dtype != self.dtype)
         if self.lm_head_packed is not None and not self.spec.tie_word_embeddings:
             self.lm_head_weight.data = self.lm_head_weight.data.new_empty(0)

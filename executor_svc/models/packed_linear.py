@@ -91,6 +91,47 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, widen: bool = T
     return packed if bool((got.float() - want.float()).abs().max() <= tol * scale) else None
 
 
+def pack_silu_mul(weight: torch.Tensor, bias: torch.Tensor | None = None, widen: bool = True
+                  ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, torch.Tensor | None]] | None:
+    """An MLP's fused gate/up weight [2n, in] (gate rows first) as two packed halves for
+    `silu_mul`, with their biases in the packed dtype: ((gate, up), (gate_bias, up_bias)), or
+    None where either half cannot be packed or the pair does not reproduce silu(gate) * up from
+    F.linear on a probe input."""
+    n = weight.shape[0] // 2
+    halves = [(weight[i * n:(i + 1) * n], None if bias is None else bias[i * n:(i + 1) * n]) for i in (0, 1)]
+    packed = [pack(w, b, widen) for w, b in halves]
+    if packed[0] is None or packed[1] is None or packed[0].dtype != packed[1].dtype:
+        return None
+    biases = tuple(None if b is None else b.to(packed[0].dtype) for _, b in halves)
+    probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    try:
+        with torch.inference_mode():
+            got = silu_mul(probe, packed[0], packed[1], *biases)
+            gate, up = F.linear(probe, weight, bias).float().split(n, dim=-1)
+            want = F.silu(gate) * up
+    except RuntimeError:  # no such post-op in this oneDNN
+        return None
+    tol = 1e-4 if weight.dtype == torch.float32 else 2e-2
+    scale = float(want.abs().max()) + 1.0
+    if not bool((got.float() - want).abs().max() <= tol * scale):
+        return None
+    return (packed[0], packed[1]), biases
+
+
+def silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None,
+             up_bias: torch.Tensor | None) -> torch.Tensor:
+    """silu(x @ Wg.T + bg) * (x @ Wu.T + bu), in x's dtype, with Wg and Wu as `pack_silu_mul`
+    returned them. Two matmuls whose epilogues do the element-wise work on their float32 sums:
+    the gate's applies silu, the up's multiplies by the gate's result (the post-ops inductor
+    fuses into packed CPU linears). Against one [T, 2n] matmul followed by eager silu and mul,
+    the [T, 2n] intermediate and two passes over it are gone, and bf16 rounds twice, not four
+    times."""
+    wide = x if gate.dtype == x.dtype else x.to(gate.dtype)  # a widened pair: float32 arithmetic
+    act = torch.ops.mkldnn._linear_pointwise(wide, gate, gate_bias, "swish", [], "")
+    out = torch.ops.mkldnn._linear_pointwise.binary(wide, act, up, up_bias, "mul")
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
 def _reorder(weight: torch.Tensor) -> torch.Tensor:
     # Raises RuntimeError where oneDNN has no kernel for the weight's dtype on this CPU.
     return torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)

@@ -10,7 +10,7 @@ from executor_svc.attention.torch_backend import prefill_gemm_pays
 from executor_svc.config import cpu_bf16_flags
 from executor_svc.loader import load_model, read_spec
 from executor_svc.models import packed_linear
-from executor_svc.models.llama import Linear
+from executor_svc.models.llama import GateUpSiluMul, Linear
 from executor_svc.models import UnsupportedModelError
 from model_fixtures import load_reference
 
@@ -41,6 +41,9 @@ def full_prompt_logits(path, tokens, packed=True, **config):
     layers = [m for m in runner.model.modules() if isinstance(m, Linear)]
     assert all((m.packed is not None) == packed for m in layers)
     assert (runner.model.lm_head_packed is not None) == packed
+    # float32: the MLPs' gate/up as one packed matmul, silu * up eager (the pair of packed halves
+    # is for bf16: test_bfloat16_runs_close_to_float32).
+    assert all(m.up_packed is None for m in layers if isinstance(m, GateUpSiluMul))
     blocks = list(reversed(range(16)))[: -(-len(tokens) // 16)]  # non-contiguous, descending
     plan = StepPlan(1, new_requests=[NewRequestData("r", tokens, blocks, GREEDY)],
                     chunks=[ScheduledChunk("r", 0, len(tokens), 0, True)])
@@ -70,6 +73,42 @@ def test_full_prompt_logits_match_transformers_without_packed_weights(tiny_check
     tokens = random_tokens(150, seed=7)
     _, ours = full_prompt_logits(path, tokens, packed=False)
     torch.testing.assert_close(ours, hf_logits(load_reference(path), tokens), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_silu_mul_on_packed_halves_matches_the_exact_activation(dtype, bias, monkeypatch):
+    # silu(x Wg + bg) * (x Wu + bu) from the two packed matmuls' epilogues, against the same in
+    # float64: float32 to its rounding, bf16 no further off than the eager bf16 path (one
+    # [T, 2n] matmul rounded to bf16, then silu and the product each rounded again).
+    if not packed_linear.available(torch.device("cpu")):
+        pytest.skip("no oneDNN packing here")
+    g = torch.Generator().manual_seed(0)
+    n, k = 96, 64
+    w = (torch.randn(2 * n, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(2 * n, generator=g).to(dtype) if bias else None
+    x = torch.randn(40, k, generator=g).to(dtype)
+    if packed_linear.pack(w, b, widen=False) is None:
+        pytest.skip(f"oneDNN packs no {dtype} weight here")
+    pair = packed_linear.pack_silu_mul(w, b)
+    assert pair is not None
+    (gate, up), (gate_bias, up_bias) = pair
+    with torch.inference_mode():
+        got = packed_linear.silu_mul(x, gate, up, gate_bias, up_bias)
+        ref_gate, ref_up = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double()).split(n, -1)
+        exact = torch.nn.functional.silu(ref_gate) * ref_up
+        eager_gate, eager_up = torch.nn.functional.linear(x, w, b).split(n, -1)
+        eager = torch.nn.functional.silu(eager_gate) * eager_up
+    assert got.dtype == dtype and got.shape == (40, n)
+    err = (got.double() - exact).abs().max().item()
+    if dtype == torch.float32:
+        assert err < 1e-5 * (exact.abs().max().item() + 1)
+    else:
+        assert err <= (eager.double() - exact).abs().max().item()
+    # A pair that disagrees with F.linear on the probe is refused.
+    real = packed_linear.silu_mul
+    monkeypatch.setattr(packed_linear, "silu_mul", lambda *a: real(*a) + 1.0)
+    assert packed_linear.pack_silu_mul(w, b) is None
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa-untied", "llama-mqa-bias"])
@@ -177,10 +216,10 @@ def test_bf16_model_on_a_cpu_without_bf16_matmuls_computes_in_float32(tiny_llama
     ref = hf_logits(load_reference(tiny_llama_path), tokens)
     runner = make_runner(tiny_llama_path, block_size=16, num_kv_blocks=8, dtype="bfloat16")
     layers = [m for m in runner.model.modules() if isinstance(m, Linear)]
-    assert all(m.packed.dtype == torch.float32 and m.weight.numel() == 0 for m in layers)
+    copies = [p for m in layers for p in m.packed_copies()]
+    assert all(p.dtype == torch.float32 for p in copies) and all(m.weight.numel() == 0 for m in layers)
     assert runner.model.lm_head_packed.dtype == torch.float32
-    assert runner.model.widened_bytes == 4 * (sum(m.packed.numel() for m in layers)
-                                              + runner.model.lm_head_packed.numel())
+    assert runner.model.widened_bytes == 4 * (sum(p.numel() for p in copies) + runner.model.lm_head_packed.numel())
     assert runner.kv_cache.layers[0].dtype == torch.bfloat16
     # Plain bf16 copies for large batches would be the slow path: not kept even when asked for.
     asked = make_runner(tiny_llama_path, block_size=16, num_kv_blocks=8, dtype="bfloat16", cpu_plain_weight_min_rows=64)
@@ -190,7 +229,7 @@ def test_bf16_model_on_a_cpu_without_bf16_matmuls_computes_in_float32(tiny_llama
     widened = logits["r"]
     assert (widened - ref).abs().max() < 0.25  # as close as bf16 allows (test_bfloat16_runs_close_to_float32)
     # The bf16 linear weights over a quarter of the memory available: no float32 copies, F.linear in bf16.
-    bf16_bytes = 2 * sum(m.packed.numel() for m in layers)
+    bf16_bytes = 2 * sum(p.numel() for p in copies)
     monkeypatch.setattr(engine, "_memory_available", lambda: 4 * bf16_bytes - 1)
     runner = make_runner(tiny_llama_path, block_size=16, num_kv_blocks=8, dtype="bfloat16")
     assert all(m.packed is None for m in runner.model.modules() if isinstance(m, Linear))
@@ -319,6 +358,31 @@ def test_bfloat16_runs_close_to_float32(tiny_llama_path):
     assert eager.info.prefill_attention == ("bf16-gemm-eager-softmax" if native else "sdpa")
     _, eager_logits = eager.execute_with_logits(plan)
     assert (eager_logits["r"] - logits["r"]).abs().max() < 0.05
+
+
+def test_bf16_mlp_on_packed_halves_runs_close_to_float32(tiny_checkpoint, monkeypatch):
+    # Where oneDNN packs bf16 natively, each MLP's gate/up halves are packed apart and silu * up
+    # happens in their epilogues (llama.GateUpSiluMul; with a bias here too); where the pair is
+    # refused, one packed gate/up matmul and eager silu * up. Both as close to the float32
+    # reference as bf16 allows, and to each other within bf16's rounding of the intermediate.
+    path = tiny_checkpoint("llama", num_key_value_heads=1, attention_bias=True, mlp_bias=True)
+    tokens = random_tokens(60, seed=3)
+    plan = StepPlan(1, new_requests=[NewRequestData("r", tokens, [3, 1, 4, 0], GREEDY)],
+                    chunks=[ScheduledChunk("r", 0, 60, 0, True)])
+    ref = hf_logits(load_reference(path), tokens)
+    if packed_linear.pack(torch.randn(8, 16).to(torch.bfloat16), widen=False) is None:
+        pytest.skip("oneDNN does not pack bf16 on this CPU (the float32 copies' path: test above)")
+    fused = make_runner(path, block_size=16, num_kv_blocks=8, dtype="bfloat16")
+    gate_ups = [m for m in fused.model.modules() if isinstance(m, GateUpSiluMul)]
+    assert gate_ups and all(m.up_packed is not None and m.packed.dtype == torch.bfloat16 for m in gate_ups)
+    _, fused_logits = fused.execute_with_logits(plan)
+    monkeypatch.setattr(packed_linear, "pack_silu_mul", lambda weight, bias=None, widen=True: None)
+    whole = make_runner(path, block_size=16, num_kv_blocks=8, dtype="bfloat16")
+    assert all(m.up_packed is None and m.packed is not None for m in whole.model.modules() if isinstance(m, GateUpSiluMul))
+    _, whole_logits = whole.execute_with_logits(plan)
+    for logits in (fused_logits["r"], whole_logits["r"]):
+        assert (logits - ref).abs().max() < 0.25  # bf16 has ~3 significant digits
+    assert (fused_logits["r"] - whole_logits["r"]).abs().max() < 0.1
 
 
 def test_the_last_layer_runs_on_the_sampling_rows_only_and_changes_no_value(tiny_llama_path):
