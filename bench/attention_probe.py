@@ -4,7 +4,8 @@
     .venv/bin/python bench/attention_probe.py --no-vllm --no-executor --rounds 2     # quick
 
 SmolLM2-135M shapes (9 query heads, 3 KV heads, head dim 64), 30 layers each with its own cache
-of 2,000 blocks of 16 tokens, block tables scattered over the pool. Cases:
+of 2,000 blocks of 16 tokens (vLLM's: the same slots in blocks of 32, as it serves, VLLM_BS),
+block tables scattered over the pool. Cases:
 - decode 32 x 700: 32 single-query rows over 700 keys each (the seed table's decode steps);
 - decode ragged: 32 rows over 600..800 keys;
 - mixed: one 461-query prefill chunk after a 176-token prefix hit (637 keys) plus 31 decodes
@@ -38,6 +39,12 @@ ROOT = HERE.parent
 import torch  # noqa: E402
 
 H, KVH, D, LAYERS, BS, POOL_BLOCKS = 9, 3, 64, 30, 16, 2000
+# vLLM's kernel is timed at the block size bench/seed_table.py serves vLLM with: its CPU attention
+# takes multiples of 32 only, and picks its ISA by it (vllm_kernel._choose_isa): "amx" for bf16 on
+# a CPU with AMX tiles, "vec" otherwise. At block 16 it would run its "vec16" kernel, which vLLM
+# does not serve with here (on an AMX Xeon 1.3x slower than chunkwise's decode kernel in bf16,
+# where "amx" ran the seed workload's whole attention in ~5 CPU-s; bench/RESULTS.md section 2).
+VLLM_BS = 32
 PEERS_PYTHON = HERE / ".venv-peers" / "bin" / "python"
 
 
@@ -50,13 +57,15 @@ def cases() -> dict[str, tuple[list[int], list[int]]]:
     }
 
 
-def make_inputs(query_lens: list[int], context_lens: list[int], dtype: torch.dtype, seed: int = 0):
-    """Per-layer K/V pools [POOL_BLOCKS * BS, KVH, D], queries [T, H, D], scattered block tables."""
+def make_inputs(query_lens: list[int], context_lens: list[int], dtype: torch.dtype, seed: int = 0,
+                block_size: int = BS):
+    """Per-layer K/V pools [POOL_BLOCKS * BS, KVH, D], queries [T, H, D], block tables scattered
+    over the pool's blocks of `block_size` (the same pools and queries for any block size)."""
     g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(POOL_BLOCKS, generator=g).tolist()
+    perm = torch.randperm(POOL_BLOCKS * BS // block_size, generator=g).tolist()
     tables, i = [], 0
     for ctx in context_lens:
-        nb = -(-ctx // BS)
+        nb = -(-ctx // block_size)
         tables.append(perm[i : i + nb])
         i += nb
     width = max(len(t) for t in tables)
@@ -149,11 +158,11 @@ def vllm_worker(dtype_name: str, repeats: int) -> int:
     dtype = getattr(torch, dtype_name)
     result = {}
     for name, (qlens, ctxs) in cases().items():
-        k_pools, v_pools, q, table = make_inputs(qlens, ctxs, dtype)
+        k_pools, v_pools, q, table = make_inputs(qlens, ctxs, dtype, block_size=VLLM_BS)
         atts = []
         slots = torch.arange(POOL_BLOCKS * BS)
         for layer in range(LAYERS):
-            att = vllm_kernel.VllmPagedAttention(H, KVH, D, BS, POOL_BLOCKS, dtype)
+            att = vllm_kernel.VllmPagedAttention(H, KVH, D, VLLM_BS, POOL_BLOCKS * BS // VLLM_BS, dtype)
             att.write(k_pools[layer], v_pools[layer], slots)
             atts.append(att)
         del k_pools, v_pools
@@ -167,7 +176,8 @@ def vllm_worker(dtype_name: str, repeats: int) -> int:
             for att in atts:  # one kernel call per layer
                 att.forward(q, out=buf)
         result[name] = time_passes(run, repeats)
-    result["isa"] = vllm_kernel._choose_isa(dtype, BS, D)
+    result["isa"] = vllm_kernel._choose_isa(dtype, VLLM_BS, D)
+    result["block_size"] = VLLM_BS
     print(json.dumps(result))
     return 0
 
@@ -273,6 +283,7 @@ def main(argv=None) -> int:
                     for case in r:
                         r[case]["vllm-cpu-kernel"] = v[case]
                     out.setdefault("vllm_isa", v["isa"])
+                    out.setdefault("vllm_block_size", v["block_size"])
                 elif v:
                     out["vllm_error"] = v["error"]
             rounds.append(r)

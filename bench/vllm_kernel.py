@@ -75,6 +75,11 @@ def _load() -> str | None:
             except ImportError as e:
                 if "does not define module export function" not in str(e):
                     raise
+        # Linux lets a process use AMX tiles only after asking (arch_prctl XTILEDATA); oneDNN asks
+        # when its first AMX matmul runs, which in vLLM's server comes before any attention. Here
+        # the kernel may be the first AMX user: without this its "amx" ISA dies of SIGILL.
+        if torch.cpu._is_amx_tile_supported() and not torch.cpu._init_amx():
+            raise RuntimeError("the kernel asked for AMX tiles and Linux refused them")
         for op in ("cpu_attention_with_kv_cache", "get_scheduler_metadata",
                    "cpu_attn_reshape_and_cache"):
             if not hasattr(torch.ops._C, op):
