@@ -42,8 +42,8 @@ H, KVH, D, LAYERS, BS, POOL_BLOCKS = 9, 3, 64, 30, 16, 2000
 # vLLM's kernel is timed at the block size bench/seed_table.py serves vLLM with: its CPU attention
 # takes multiples of 32 only, and picks its ISA by it (vllm_kernel._choose_isa): "amx" for bf16 on
 # a CPU with AMX tiles, "vec" otherwise. At block 16 it would run its "vec16" kernel, which vLLM
-# does not serve with here (on an AMX Xeon 1.3x slower than chunkwise's decode kernel in bf16,
-# where "amx" ran the seed workload's whole attention in ~5 CPU-s; bench/RESULTS.md section 2).
+# does not serve with here: on an AMX Xeon in bf16 chunkwise's decode took 1.31x the time of
+# "vec16" and 2.33x that of "amx" (bench/RESULTS.md section 2).
 VLLM_BS = 32
 PEERS_PYTHON = HERE / ".venv-peers" / "bin" / "python"
 

@@ -19,16 +19,16 @@ attention in pieces of rows (the default on CPU) against one SDPA call per chunk
 multiplies bf16 natively without AMX) against torch's flash SDPA (the default with AMX);
 --compare-prefill-softmax pits that GEMM path's compiled softmax (the default) against the eager
 one; --compare-layer-ops pits the compiled element-wise ops between the matmuls (the default:
-residual add + RMSNorm, RoPE) against eager ones; --compare-silu-mul pits the MLPs' silu * up in
-the packed matmuls' epilogues (the default) against one gate/up matmul and eager silu * up; --compare-row-padding pits steps padded to
-bounded row counts (the default with packed linear layers) against unpadded ones, whose first
-round shows oneDNN compiling a kernel per new row count; --compare-block-order runs the workload
-under two schedulers that keep their block pools across rounds (a warm server's state: from the
-third round on every allocation evicts), one handing blocks out in ascending order (the
-default) and one in the order its free lists give them (bench/block_order.py). Each run reports
-the page faults and system time it took; --no-cpu-keep-freed-memory leaves glibc's malloc
-thresholds at their defaults (executor_svc/cpu_malloc.py), process-wide, so that A/B alternates
-processes rather than runners.
+residual add + RMSNorm, RoPE) against eager ones; --compare-silu-mul pits the bf16 MLPs' silu *
+up in the packed matmuls' epilogues (the default) against one gate/up matmul and eager silu * up;
+--compare-row-padding pits steps padded to bounded row counts (the default with packed linear
+layers) against unpadded ones, whose first round shows oneDNN compiling a kernel per new row
+count; --compare-block-order runs the workload under two schedulers that keep their block pools
+across rounds (a warm server's state: from the third round on every allocation evicts), one
+handing blocks out in ascending order (the default) and one in the order its free lists give
+them (bench/block_order.py). Each run reports the page faults and system time it took;
+--no-cpu-keep-freed-memory leaves glibc's malloc thresholds at their defaults
+(executor_svc/cpu_malloc.py), process-wide, so that A/B alternates processes rather than runners.
 """
 
 from __future__ import annotations

@@ -95,13 +95,14 @@ class GateUpSiluMul(Linear):
     """An MLP's gate and up projections as one [2n, in] weight (gate rows first), returning
     silu(gate) * up [T, n], the MLP's activation included.
 
-    Packed in bf16 or fp16 (CPU), the halves are packed apart and multiplied as two matmuls
-    whose epilogues do the element-wise work (packed_linear.silu_mul): in bf16 on a Xeon with
-    AMX 1.14-1.21x faster than the [T, 2n] matmul with eager silu and mul after it at 32-1024
-    rows in isolation, the seed workload's mixed steps 1.04x (bench/RESULTS.md section 2b). In
-    float32 (and float32 copies of bf16 weights) it was no faster over the workload (decode-sized
-    batches 5% slower, prefill-sized ones faster), so there, as everywhere else (no packing, a
-    refused pair, or the plain weight kept for large batches), one matmul and then silu * up."""
+    Packed in bf16 (CPU), the halves are packed apart and multiplied as two matmuls whose
+    epilogues do the element-wise work (packed_linear.silu_mul): on a Xeon with AMX 1.14-1.21x
+    faster than the [T, 2n] matmul with eager silu and mul after it at 32-1024 rows in
+    isolation, the seed workload's mixed steps 1.04x (bench/RESULTS.md section 2b). In float32
+    (and float32 copies of bf16 weights) it was no faster over the workload (decode-sized batches
+    5% slower, prefill-sized ones faster), and fp16 is unmeasured, so there, as everywhere else
+    (no packing, a refused pair, or the plain weight kept for large batches), one matmul and then
+    silu * up."""
 
     def __init__(self, in_features: int, intermediate: int, bias: bool, dtype: torch.dtype, device: torch.device):
         super().__init__(in_features, 2 * intermediate, bias, dtype, device)
@@ -111,8 +112,8 @@ class GateUpSiluMul(Linear):
         self.up_packed_bias: torch.Tensor | None = None
 
     def _pack_copies(self, widen: bool) -> bool:
-        reduced = self.weight.dtype in (torch.bfloat16, torch.float16)
-        pair = packed_linear.pack_silu_mul(self.weight, self.bias, widen=False) if reduced else None
+        bf16 = self.weight.dtype == torch.bfloat16
+        pair = packed_linear.pack_silu_mul(self.weight, self.bias, widen=False) if bf16 else None
         if pair is None:  # the whole weight packed as one, silu * up eager
             return super()._pack_copies(widen)
         (self.packed, self.up_packed), (self.packed_bias, self.up_packed_bias) = pair

@@ -42,7 +42,7 @@ def full_prompt_logits(path, tokens, packed=True, **config):
     assert all((m.packed is not None) == packed for m in layers)
     assert (runner.model.lm_head_packed is not None) == packed
     # float32: the MLPs' gate/up as one packed matmul, silu * up eager (the pair of packed halves
-    # is for bf16: test_bfloat16_runs_close_to_float32).
+    # is for bf16: test_bf16_mlp_on_packed_halves_runs_close_to_float32).
     assert all(m.up_packed is None for m in layers if isinstance(m, GateUpSiluMul))
     blocks = list(reversed(range(16)))[: -(-len(tokens) // 16)]  # non-contiguous, descending
     plan = StepPlan(1, new_requests=[NewRequestData("r", tokens, blocks, GREEDY)],
