@@ -98,11 +98,12 @@ def pack_silu_mul(weight: torch.Tensor, bias: torch.Tensor | None = None, widen:
     None where either half cannot be packed or the pair does not reproduce silu(gate) * up from
     F.linear on a probe input."""
     n = weight.shape[0] // 2
-    halves = [(weight[i * n:(i + 1) * n], None if bias is None else bias[i * n:(i + 1) * n]) for i in (0, 1)]
-    packed = [pack(w, b, widen) for w, b in halves]
+    gate_bias, up_bias = (None, None) if bias is None else (bias[:n], bias[n:])
+    packed = [pack(weight[:n], gate_bias, widen), pack(weight[n:], up_bias, widen)]
     if packed[0] is None or packed[1] is None or packed[0].dtype != packed[1].dtype:
         return None
-    biases = tuple(None if b is None else b.to(packed[0].dtype) for _, b in halves)
+    dtype = packed[0].dtype
+    biases = (None if gate_bias is None else gate_bias.to(dtype), None if up_bias is None else up_bias.to(dtype))
     probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
     try:
         with torch.inference_mode():
