@@ -21,6 +21,8 @@ multiplies bf16 natively without AMX) against torch's flash SDPA (the default wi
 one; --compare-layer-ops pits the compiled element-wise ops between the matmuls (the default:
 residual add + RMSNorm, RoPE) against eager ones; --compare-silu-mul pits the bf16 MLPs' silu *
 up in the packed matmuls' epilogues (the default) against one gate/up matmul and eager silu * up;
+--compare-rows-hint pits the layers packed for packed_linear.layer_rows_hint (the default) against
+all packed for 32 rows;
 --compare-row-padding pits steps padded to bounded row counts (the default with packed linear
 layers) against unpadded ones, whose first round shows oneDNN compiling a kernel per new row
 count; --compare-block-order runs the workload under two schedulers that keep their block pools
@@ -97,6 +99,9 @@ COMPARISONS = {
     "silu-mul": ("two runners, the MLPs' gate/up halves packed apart with silu and the product in the matmuls' "
                  "epilogues (the default with packed linear layers: packed_linear.silu_mul) and one packed gate/up "
                  "matmul with eager silu * up after it, in interleaved rounds", "eager", "fused", "eager_over_fused"),
+    "rows-hint": ("two runners, the linear layers packed with packed_linear.layer_rows_hint (the default: 1 row "
+                  "for bf16 with AMX, else 32) and all packed for 32 rows, in interleaved rounds",
+                  "hint-32", "default-hint", "hint32_over_default"),
     "row-padding": ("two runners, each step padded to a bounded row count (the default on CPU with packed "
                     "linear layers: packed_linear.padded_rows) and not, in interleaved rounds; oneDNN's kernels "
                     "for each row count are per process, so the first round of each shows their compile cost",
@@ -282,9 +287,14 @@ def main(argv=None) -> int:
         packed_linear.available = available
     if ns.compare_silu_mul:  # a second runner whose MLPs pack gate/up as one weight, silu * up eager
         runners = {"fused": runners["default"]}
-        pack_pair, packed_linear.pack_silu_mul = packed_linear.pack_silu_mul, lambda weight, bias=None, widen=True: None
+        pack_pair, packed_linear.pack_silu_mul = packed_linear.pack_silu_mul, lambda *args, **kwargs: None
         runners["eager"] = ModelRunner(config)
         packed_linear.pack_silu_mul = pack_pair
+    if ns.compare_rows_hint:  # a second runner whose layers are all packed for 32 rows
+        runners = {"default-hint": runners["default"]}
+        layer_hint, packed_linear.layer_rows_hint = packed_linear.layer_rows_hint, lambda *a: packed_linear.ROWS_HINT
+        runners["hint-32"] = ModelRunner(config)
+        packed_linear.layer_rows_hint = layer_hint
     if ns.compare_prefill_pieces:
         runners = {"pieces": runners["default"], "one-call": ModelRunner(config)}
     if ns.compare_plain_weights:

@@ -244,7 +244,8 @@ class ModelRunner:
             notes.append(f"no plain copies: {crowded}")
         reduced = self.dtype in (torch.bfloat16, torch.float16)
         dtype_name = str(self.dtype).removeprefix("torch.")
-        if not self.model.pack_linear_weights(plain_rows, widen=reduced and not crowded):
+        rows_hint = packed_linear.layer_rows_hint(self.dtype, cpu_bf16_flags())
+        if not self.model.pack_linear_weights(plain_rows, widen=reduced and not crowded, rows_hint=rows_hint):
             logger.info("linear layers: F.linear (oneDNN packing unavailable or refused by its self-check)%s",
                         f"; no float32 copies of the {dtype_name} weights: {crowded}" if reduced and crowded else "")
             return False
@@ -257,6 +258,9 @@ class ModelRunner:
         elif plain_rows:
             notes.append(f"for batches of >= {plain_rows} rows F.linear on a second, plain copy of the weights "
                          f"({self.model.plain_layers} layers, {self.model.plain_bytes >> 20} MiB)")
+        if rows_hint != packed_linear.ROWS_HINT:
+            notes.append(f"the layers' blocking tuned for {rows_hint} row(s), not {packed_linear.ROWS_HINT}: with "
+                         "AMX oneDNN then splits prefill-sized bf16 batches over every thread")
         notes.append("each step padded to a bounded row count (a multiple of 8 up to 512, under 1/32 more "
                      "beyond), so that oneDNN compiles kernels for few")
         logger.info("linear layers: oneDNN with prepacked weights%s", "".join(f"; {n}" for n in notes))

@@ -59,11 +59,11 @@ class Linear(nn.Module):
         # weight, which is then kept (0: the packed copy serves every batch, the plain one is freed).
         self.plain_min_rows = 0
 
-    def pack(self, plain_min_rows: int = 0, widen: bool = True) -> bool:
+    def pack(self, plain_min_rows: int = 0, widen: bool = True, rows_hint: int = packed_linear.ROWS_HINT) -> bool:
         """Copy the weight into oneDNN's prepacked layout (packed_linear.py) and free the plain
         copy, unless `plain_min_rows` keeps it for batches of that many rows and more; False
-        (nothing changed) where packing is not possible. `widen`: see packed_linear.pack."""
-        if not self._pack_copies(widen):
+        (nothing changed) where packing is not possible. `widen`, `rows_hint`: see packed_linear.pack."""
+        if not self._pack_copies(widen, rows_hint):
             return False
         assert self.packed is not None
         if self.packed.dtype != self.weight.dtype:
@@ -73,8 +73,8 @@ class Linear(nn.Module):
             self.weight.data = self.weight.data.new_empty(0)  # only the packed copy is read from now on
         return True
 
-    def _pack_copies(self, widen: bool) -> bool:
-        packed = packed_linear.pack(self.weight, self.bias, widen)
+    def _pack_copies(self, widen: bool, rows_hint: int) -> bool:
+        packed = packed_linear.pack(self.weight, self.bias, widen, rows_hint)
         if packed is None:
             return False
         self.packed = packed
@@ -111,11 +111,11 @@ class GateUpSiluMul(Linear):
         self.up_packed: torch.Tensor | None = None
         self.up_packed_bias: torch.Tensor | None = None
 
-    def _pack_copies(self, widen: bool) -> bool:
+    def _pack_copies(self, widen: bool, rows_hint: int) -> bool:
         bf16 = self.weight.dtype == torch.bfloat16
-        pair = packed_linear.pack_silu_mul(self.weight, self.bias, widen=False) if bf16 else None
+        pair = packed_linear.pack_silu_mul(self.weight, self.bias, False, rows_hint) if bf16 else None
         if pair is None:  # the whole weight packed as one, silu * up eager
-            return super()._pack_copies(widen)
+            return super()._pack_copies(widen, rows_hint)
         (self.packed, self.up_packed), (self.packed_bias, self.up_packed_bias) = pair
         return True
 
@@ -266,7 +266,8 @@ class LlamaForCausalLM(nn.Module):
             return packed_linear.linear(hidden, self.lm_head_packed, None).to(torch.float32)
         return F.linear(hidden, self.lm_head_weight).to(torch.float32)
 
-    def pack_linear_weights(self, plain_min_rows: int = 0, widen: bool = True) -> bool:
+    def pack_linear_weights(self, plain_min_rows: int = 0, widen: bool = True,
+                            rows_hint: int = packed_linear.ROWS_HINT) -> bool:
         """Every linear layer and lm_head through oneDNN with prepacked weights (CPU; see
         packed_linear.py). Call after loading; num_parameters() counts the plain weights, so ask
         it first. True if all were packed (then no plain linear weight is kept, except lm_head's
@@ -275,11 +276,13 @@ class LlamaForCausalLM(nn.Module):
         With `plain_min_rows` > 0 every linear layer also keeps its plain weight, for batches of
         at least that many rows; `plain_layers` and `plain_bytes` count those second copies.
         `widen` lets bf16/fp16 weights be packed as float32 where this CPU has no matmul in their
-        dtype; `widened_bytes` counts those copies."""
+        dtype; `widened_bytes` counts those copies. The layers are packed for `rows_hint` rows
+        (packed_linear.layer_rows_hint), lm_head, which sees only the sampling rows, for
+        packed_linear.ROWS_HINT."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
-        if not linears or not linears[0].pack(plain_min_rows, widen):  # one refusal says the rest would be refused too
+        if not linears or not linears[0].pack(plain_min_rows, widen, rows_hint):  # one refusal says the rest would be refused too
             return False
-        ok = all([m.pack(plain_min_rows, widen) for m in linears[1:]])
+        ok = all([m.pack(plain_min_rows, widen, rows_hint) for m in linears[1:]])
         kept = [m for m in linears if m.plain_min_rows]
         self.plain_layers = len(kept)
         self.plain_bytes = sum(m.weight.numel() * m.weight.element_size() for m in kept)

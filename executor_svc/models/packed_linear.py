@@ -43,6 +43,21 @@ import torch.nn.functional as F
 # The batch size oneDNN chooses its blocking for; it only tunes the layout (any row count works).
 # 32 rows is a decode batch; 1024-row prefills measured within 3% of a 1024 hint.
 ROWS_HINT = 32
+# bf16 on a CPU with AMX: oneDNN's brgemm split the work of some layers packed for 32 rows (or
+# 128 to 4096) into a single piece at prefill-sized batches, so one of two threads multiplied
+# while the other waited: SmolLM2's q/k/v at 768-1024 rows, its down projection from 256 rows
+# on, its o projection at 384-832 ran at the one-thread rate. Packed for 1 row they split: at
+# 1024 rows q/k/v 1.78x, down 1.67x faster, o at 512-768 1.8x, gate/up the same; at 32 rows
+# within -5..+12%, at 64-256 rows gate/up and down 0.74-0.89x (bench/RESULTS.md section 2b).
+# lm_head, which multiplies only the sampling rows, keeps ROWS_HINT (hint 1 was 0.77x there), and
+# float32 too (hint 1 was 0.74-0.98x at every size).
+AMX_BF16_LAYER_ROWS_HINT = 1
+
+
+def layer_rows_hint(dtype: torch.dtype, cpu_flags: list[str]) -> int:
+    """The row-count hint a model's linear layers (not lm_head) are packed with, for weights of
+    `dtype` on a CPU with these native-bf16 flags (config.cpu_bf16_flags)."""
+    return AMX_BF16_LAYER_ROWS_HINT if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags else ROWS_HINT
 
 
 def padded_rows(num_rows: int) -> int:
@@ -69,18 +84,21 @@ def available(device: torch.device) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, widen: bool = True) -> torch.Tensor | None:
+def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, widen: bool = True,
+         rows_hint: int = ROWS_HINT) -> torch.Tensor | None:
     """oneDNN's prepacked copy of `weight` [out, in], checked against F.linear, or None. With
-    `widen`, a bf16/fp16 weight that oneDNN cannot pack in its own dtype is packed as float32."""
+    `widen`, a bf16/fp16 weight that oneDNN cannot pack in its own dtype is packed as float32.
+    `rows_hint`: the batch size the layout is tuned for (layer_rows_hint; a float32 copy takes
+    ROWS_HINT)."""
     if not available(weight.device):
         return None
     try:
         try:
-            packed = _reorder(weight.detach())
+            packed = _reorder(weight.detach(), rows_hint)
         except RuntimeError:
             if not (widen and weight.dtype in (torch.bfloat16, torch.float16)):
                 raise
-            packed = _reorder(weight.detach().float())  # this CPU has no matmul in the weight's dtype
+            packed = _reorder(weight.detach().float(), ROWS_HINT)  # this CPU has no matmul in the weight's dtype
         probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
         with torch.inference_mode():
             got, want = linear(probe, packed, bias), F.linear(probe, weight, bias)
@@ -91,7 +109,8 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, widen: bool = T
     return packed if bool((got.float() - want.float()).abs().max() <= tol * scale) else None
 
 
-def pack_silu_mul(weight: torch.Tensor, bias: torch.Tensor | None = None, widen: bool = True
+def pack_silu_mul(weight: torch.Tensor, bias: torch.Tensor | None = None, widen: bool = True,
+                  rows_hint: int = ROWS_HINT
                   ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, torch.Tensor | None]] | None:
     """An MLP's fused gate/up weight [2n, in] (gate rows first) as two packed halves for
     `silu_mul`, with their biases in the packed dtype: ((gate, up), (gate_bias, up_bias)), or
@@ -99,7 +118,7 @@ def pack_silu_mul(weight: torch.Tensor, bias: torch.Tensor | None = None, widen:
     F.linear on a probe input."""
     n = weight.shape[0] // 2
     gate_bias, up_bias = (None, None) if bias is None else (bias[:n], bias[n:])
-    packed = [pack(weight[:n], gate_bias, widen), pack(weight[n:], up_bias, widen)]
+    packed = [pack(weight[:n], gate_bias, widen, rows_hint), pack(weight[n:], up_bias, widen, rows_hint)]
     if packed[0] is None or packed[1] is None or packed[0].dtype != packed[1].dtype:
         return None
     dtype = packed[0].dtype
@@ -133,9 +152,9 @@ def silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_bias: t
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-def _reorder(weight: torch.Tensor) -> torch.Tensor:
+def _reorder(weight: torch.Tensor, rows_hint: int = ROWS_HINT) -> torch.Tensor:
     # Raises RuntimeError where oneDNN has no kernel for the weight's dtype on this CPU.
-    return torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -176,10 +176,10 @@ def _without_reduced_precision_packing(monkeypatch):
     # A CPU like the Zen 3 (AVX2): oneDNN packs float32 weights but refuses bf16 and fp16 ones.
     real = packed_linear._reorder
 
-    def reorder(weight):
+    def reorder(weight, rows_hint=packed_linear.ROWS_HINT):
         if weight.dtype != torch.float32:
             raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
-        return real(weight)
+        return real(weight, rows_hint)
 
     monkeypatch.setattr(packed_linear, "_reorder", reorder)
 
@@ -376,13 +376,49 @@ def test_bf16_mlp_on_packed_halves_runs_close_to_float32(tiny_checkpoint, monkey
     gate_ups = [m for m in fused.model.modules() if isinstance(m, GateUpSiluMul)]
     assert gate_ups and all(m.up_packed is not None and m.packed.dtype == torch.bfloat16 for m in gate_ups)
     _, fused_logits = fused.execute_with_logits(plan)
-    monkeypatch.setattr(packed_linear, "pack_silu_mul", lambda weight, bias=None, widen=True: None)
+    monkeypatch.setattr(packed_linear, "pack_silu_mul", lambda *args, **kwargs: None)
     whole = make_runner(path, block_size=16, num_kv_blocks=8, dtype="bfloat16")
     assert all(m.up_packed is None and m.packed is not None for m in whole.model.modules() if isinstance(m, GateUpSiluMul))
     _, whole_logits = whole.execute_with_logits(plan)
     for logits in (fused_logits["r"], whole_logits["r"]):
         assert (logits - ref).abs().max() < 0.25  # bf16 has ~3 significant digits
     assert (fused_logits["r"] - whole_logits["r"]).abs().max() < 0.1
+
+
+def test_bf16_layers_packed_for_one_row_with_amx_and_lm_head_for_32(tiny_llama_path, monkeypatch):
+    # With AMX, bf16 layers packed for 32 rows had oneDNN multiply prefill-sized batches on one of
+    # two threads; packed for 1 row it splits them (packed_linear.layer_rows_hint). float32, and
+    # CPUs without AMX, keep 32, and so does lm_head (it sees only the sampling rows).
+    assert packed_linear.layer_rows_hint(torch.bfloat16, ["avx512_bf16", "amx_bf16"]) == 1
+    assert packed_linear.layer_rows_hint(torch.bfloat16, ["avx512_bf16"]) == packed_linear.ROWS_HINT == 32
+    assert packed_linear.layer_rows_hint(torch.float32, ["avx512_bf16", "amx_bf16"]) == packed_linear.ROWS_HINT
+    if packed_linear.pack(torch.randn(8, 16).to(torch.bfloat16), widen=False) is None:
+        pytest.skip("oneDNN does not pack bf16 on this CPU")
+    import executor_svc.engine as engine
+
+    tokens = random_tokens(60, seed=3)
+    plan = StepPlan(1, new_requests=[NewRequestData("r", tokens, [3, 1, 4, 0], GREEDY)],
+                    chunks=[ScheduledChunk("r", 0, 60, 0, True)])
+    hints: list[tuple[tuple[int, ...], int]] = []
+    real = packed_linear._reorder
+    monkeypatch.setattr(packed_linear, "_reorder",
+                        lambda w, rows_hint=32: hints.append((tuple(w.shape), rows_hint)) or real(w, rows_hint))
+    runs = {}
+    for flags in (["avx512_bf16", "amx_bf16"], ["avx512_bf16"]):
+        hints.clear()
+        monkeypatch.setattr(engine, "cpu_bf16_flags", lambda flags=flags: flags)
+        runner = make_runner(tiny_llama_path, block_size=16, num_kv_blocks=8, dtype="bfloat16")
+        vocab, hidden = runner.spec.vocab_size, runner.spec.hidden_size
+        lm_head = [h for shape, h in hints if shape == (vocab, hidden)]
+        layers = [h for shape, h in hints if shape != (vocab, hidden)]
+        assert lm_head == [32] and layers and set(layers) == {1 if "amx_bf16" in flags else 32}
+        _, logits = runner.execute_with_logits(plan)
+        runs[len(flags)] = logits["r"]
+    ref = hf_logits(load_reference(tiny_llama_path), tokens)
+    for logits in runs.values():
+        assert (logits - ref).abs().max() < 0.25  # bf16 has ~3 significant digits
+    # The blocking changes the order of each dot product's float32 sums, nothing more.
+    assert (runs[2] - runs[1]).abs().max() < 0.05
 
 
 def test_the_last_layer_runs_on_the_sampling_rows_only_and_changes_no_value(tiny_llama_path):
