@@ -112,6 +112,10 @@ class GateUpSiluMul(Linear):
         self.up_packed_bias: torch.Tensor | None = None
 
     def _pack_copies(self, widen: bool, rows_hint: int) -> bool:
+        # Packed for 32 rows whatever the other layers take: the one-row layout that splits their
+        # prefill-sized batches over the threads with AMX gained nothing here
+        # (packed_linear.AMX_BF16_LAYER_ROWS_HINT).
+        rows_hint = packed_linear.ROWS_HINT
         bf16 = self.weight.dtype == torch.bfloat16
         pair = packed_linear.pack_silu_mul(self.weight, self.bias, False, rows_hint) if bf16 else None
         if pair is None:  # the whole weight packed as one, silu * up eager

@@ -47,10 +47,11 @@ ROWS_HINT = 32
 # 128 to 4096) into a single piece at prefill-sized batches, so one of two threads multiplied
 # while the other waited: SmolLM2's q/k/v at 768-1024 rows, its down projection from 256 rows
 # on, its o projection at 384-832 ran at the one-thread rate. Packed for 1 row they split: at
-# 1024 rows q/k/v 1.78x, down 1.67x faster, o at 512-768 1.8x, gate/up the same; at 32 rows
-# within -5..+12%, at 64-256 rows gate/up and down 0.74-0.89x (bench/RESULTS.md section 2b).
-# lm_head, which multiplies only the sampling rows, keeps ROWS_HINT (hint 1 was 0.77x there), and
-# float32 too (hint 1 was 0.74-0.98x at every size).
+# 1024 rows q/k/v 1.78x, down 1.67x faster, o at 512-768 1.8x; at 32 rows within -5..+12%, down
+# at 64-128 rows 0.74-0.81x (bench/RESULTS.md section 2b). The MLP's gate/up halves gained
+# nothing (1.0-1.02x at 768-1024 rows, 0.79-0.95x at 64-512) and keep ROWS_HINT
+# (llama.GateUpSiluMul), as does lm_head, which multiplies only the sampling rows (hint 1 was
+# 0.77x there), and float32 (hint 1 was 0.74-0.98x at every size).
 AMX_BF16_LAYER_ROWS_HINT = 1
 
 

@@ -385,10 +385,11 @@ def test_bf16_mlp_on_packed_halves_runs_close_to_float32(tiny_checkpoint, monkey
     assert (fused_logits["r"] - whole_logits["r"]).abs().max() < 0.1
 
 
-def test_bf16_layers_packed_for_one_row_with_amx_and_lm_head_for_32(tiny_llama_path, monkeypatch):
+def test_bf16_layers_packed_for_one_row_with_amx_lm_head_and_gate_up_for_32(tiny_llama_path, monkeypatch):
     # With AMX, bf16 layers packed for 32 rows had oneDNN multiply prefill-sized batches on one of
     # two threads; packed for 1 row it splits them (packed_linear.layer_rows_hint). float32, and
-    # CPUs without AMX, keep 32, and so does lm_head (it sees only the sampling rows).
+    # CPUs without AMX, keep 32, and so do lm_head (it sees only the sampling rows) and the MLP's
+    # gate/up (1 row gained nothing there).
     assert packed_linear.layer_rows_hint(torch.bfloat16, ["avx512_bf16", "amx_bf16"]) == 1
     assert packed_linear.layer_rows_hint(torch.bfloat16, ["avx512_bf16"]) == packed_linear.ROWS_HINT == 32
     assert packed_linear.layer_rows_hint(torch.float32, ["avx512_bf16", "amx_bf16"]) == packed_linear.ROWS_HINT
@@ -408,10 +409,11 @@ def test_bf16_layers_packed_for_one_row_with_amx_and_lm_head_for_32(tiny_llama_p
         hints.clear()
         monkeypatch.setattr(engine, "cpu_bf16_flags", lambda flags=flags: flags)
         runner = make_runner(tiny_llama_path, block_size=16, num_kv_blocks=8, dtype="bfloat16")
-        vocab, hidden = runner.spec.vocab_size, runner.spec.hidden_size
-        lm_head = [h for shape, h in hints if shape == (vocab, hidden)]
-        layers = [h for shape, h in hints if shape != (vocab, hidden)]
-        assert lm_head == [32] and layers and set(layers) == {1 if "amx_bf16" in flags else 32}
+        n = runner.spec.num_layers
+        assert (runner.spec.vocab_size, runner.spec.hidden_size) in [shape for shape, h in hints if h == 32]
+        # Per layer q/k/v, o and down at 1 with AMX; the gate and up halves, and lm_head, at 32.
+        counts = {h: sum(1 for _, hint in hints if hint == h) for h in (1, 32)}
+        assert counts == ({1: 3 * n, 32: 2 * n + 1} if "amx_bf16" in flags else {1: 0, 32: 5 * n + 1})
         _, logits = runner.execute_with_logits(plan)
         runs[len(flags)] = logits["r"]
     ref = hf_logits(load_reference(tiny_llama_path), tokens)
