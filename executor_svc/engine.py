@@ -259,8 +259,8 @@ class ModelRunner:
             notes.append(f"for batches of >= {plain_rows} rows F.linear on a second, plain copy of the weights "
                          f"({self.model.plain_layers} layers, {self.model.plain_bytes >> 20} MiB)")
         if rows_hint != packed_linear.ROWS_HINT:
-            notes.append(f"the layers' blocking tuned for {rows_hint} row(s), not {packed_linear.ROWS_HINT}: with "
-                         "AMX oneDNN then splits prefill-sized bf16 batches over every thread")
+            notes.append(f"q/k/v, o and down packed for {rows_hint} row(s), not {packed_linear.ROWS_HINT}: with AMX "
+                         "oneDNN then splits their prefill-sized bf16 batches over every thread")
         notes.append("each step padded to a bounded row count (a multiple of 8 up to 512, under 1/32 more "
                      "beyond), so that oneDNN compiles kernels for few")
         logger.info("linear layers: oneDNN with prepacked weights%s", "".join(f"; {n}" for n in notes))
