@@ -112,14 +112,14 @@ class GateUpSiluMul(Linear):
         self.up_packed_bias: torch.Tensor | None = None
 
     def _pack_copies(self, widen: bool, rows_hint: int) -> bool:
-        # Packed for 32 rows whatever the other layers take: the one-row layout that splits their
-        # prefill-sized batches over the threads with AMX gained nothing here
-        # (packed_linear.AMX_BF16_LAYER_ROWS_HINT).
-        rows_hint = packed_linear.ROWS_HINT
+        # `rows_hint` is not taken: gate/up stay packed for ROWS_HINT rows, as the one-row layout
+        # that splits the other layers' prefill-sized batches over the threads with AMX gained
+        # nothing here (packed_linear.AMX_BF16_LAYER_ROWS_HINT).
+        hint = packed_linear.ROWS_HINT
         bf16 = self.weight.dtype == torch.bfloat16
-        pair = packed_linear.pack_silu_mul(self.weight, self.bias, False, rows_hint) if bf16 else None
+        pair = packed_linear.pack_silu_mul(self.weight, self.bias, False, hint) if bf16 else None
         if pair is None:  # the whole weight packed as one, silu * up eager
-            return super()._pack_copies(widen, rows_hint)
+            return super()._pack_copies(widen, hint)
         (self.packed, self.up_packed), (self.packed_bias, self.up_packed_bias) = pair
         return True
 

@@ -100,14 +100,12 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, widen: bool = T
             if not (widen and weight.dtype in (torch.bfloat16, torch.float16)):
                 raise
             packed = _reorder(weight.detach().float(), ROWS_HINT)  # this CPU has no matmul in the weight's dtype
-        probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        probe = _probe(weight)
         with torch.inference_mode():
             got, want = linear(probe, packed, bias), F.linear(probe, weight, bias)
     except RuntimeError:
         return None
-    tol = 1e-4 if weight.dtype == torch.float32 else 2e-2
-    scale = float(want.abs().max()) + 1.0
-    return packed if bool((got.float() - want.float()).abs().max() <= tol * scale) else None
+    return packed if _agrees(got, want, weight.dtype) else None
 
 
 def pack_silu_mul(weight: torch.Tensor, bias: torch.Tensor | None = None, widen: bool = True,
@@ -124,7 +122,7 @@ def pack_silu_mul(weight: torch.Tensor, bias: torch.Tensor | None = None, widen:
         return None
     dtype = packed[0].dtype
     biases = (None if gate_bias is None else gate_bias.to(dtype), None if up_bias is None else up_bias.to(dtype))
-    probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    probe = _probe(weight)
     try:
         with torch.inference_mode():
             got = silu_mul(probe, packed[0], packed[1], *biases)
@@ -132,11 +130,20 @@ def pack_silu_mul(weight: torch.Tensor, bias: torch.Tensor | None = None, widen:
             want = F.silu(gate) * up
     except RuntimeError:  # no such post-op in this oneDNN
         return None
-    tol = 1e-4 if weight.dtype == torch.float32 else 2e-2
+    return ((packed[0], packed[1]), biases) if _agrees(got, want, weight.dtype) else None
+
+
+def _probe(weight: torch.Tensor) -> torch.Tensor:
+    """The 3-row input every packed copy is checked on (seeded: the same for every weight)."""
+    return torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+
+
+def _agrees(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    """A packed path's probe output against F.linear's: within 1e-4 (float32) or 2e-2 (bf16/fp16)
+    of the largest value + 1."""
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
     scale = float(want.abs().max()) + 1.0
-    if not bool((got.float() - want).abs().max() <= tol * scale):
-        return None
-    return (packed[0], packed[1]), biases
+    return bool((got.float() - want.float()).abs().max() <= tol * scale)
 
 
 def silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None,
